@@ -1,0 +1,159 @@
+// Python bindings of the native core (module zos._C). Arrays are numpy arrays
+// (a pinned torch tensor passes as tensor.numpy(), sharing its memory); every
+// check runs before anything is written, and the work runs without the GIL.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+
+#include <string>
+
+#include "packer.h"
+#include "remap.h"
+#include "staging.h"
+
+namespace py = pybind11;
+
+namespace {
+
+template <typename T>
+const char* dtype_name() {
+  return sizeof(T) == 8 ? "int64" : "int32";
+}
+
+// Checks that obj is a 1-D C-contiguous numpy array of T; returns it.
+template <typename T>
+py::array checked(const py::handle& obj, const char* field, bool writeable = false) {
+  if (!py::isinstance<py::array>(obj))
+    throw py::type_error(std::string(field) + " must be a numpy array (use tensor.numpy()), got " +
+                         std::string(py::str(py::type::of(obj))));
+  auto arr = py::reinterpret_borrow<py::array>(obj);
+  if (!arr.dtype().is(py::dtype::of<T>()))
+    throw py::type_error(std::string(field) + " must have dtype " + dtype_name<T>() + ", got " +
+                         std::string(py::str(arr.dtype())));
+  if (arr.ndim() != 1)
+    throw py::value_error(std::string(field) + " must be 1-D, got " + std::to_string(arr.ndim()) +
+                          " dimensions");
+  if (!(arr.flags() & py::array::c_style))
+    throw py::value_error(std::string(field) + " must be contiguous");
+  if (writeable && !arr.writeable()) throw py::value_error(std::string(field) + " is read-only");
+  return arr;
+}
+
+template <typename T>
+const T* ptr(const py::array& a) {
+  return static_cast<const T*>(a.data());
+}
+
+int64_t compute_remap(const py::handle& prev_obj, const py::handle& curr_obj,
+                      const py::handle& out_obj) {
+  auto prev = checked<int64_t>(prev_obj, "prev_req_ids");
+  auto curr = checked<int64_t>(curr_obj, "curr_req_ids");
+  auto out = checked<int32_t>(out_obj, "out", true);
+  if (out.size() < curr.size())
+    throw py::value_error("out has " + std::to_string(out.size()) + " elements, needs at least " +
+                          std::to_string(curr.size()));
+  thread_local zos::RemapTable table;
+  py::gil_scoped_release release;
+  return table.compute(ptr<int64_t>(prev), prev.size(), ptr<int64_t>(curr), curr.size(),
+                       static_cast<int32_t*>(out.mutable_data()));
+}
+
+int64_t pack(zos::StepPacker& self, const py::handle& req_ids, const py::handle& new_rows,
+             const py::handle& new_tokens, const py::handle& new_positions,
+             const py::handle& new_block_indptr, const py::handle& new_block_ids,
+             const py::handle& append_rows, const py::handle& append_block_ids,
+             const py::handle& out_obj) {
+  auto ids = checked<int64_t>(req_ids, "req_ids");
+  auto rows = checked<int32_t>(new_rows, "new_rows");
+  auto toks = checked<int32_t>(new_tokens, "new_tokens");
+  auto pos = checked<int32_t>(new_positions, "new_positions");
+  auto indptr = checked<int32_t>(new_block_indptr, "new_block_indptr");
+  auto blks = checked<int32_t>(new_block_ids, "new_block_ids");
+  auto arows = checked<int32_t>(append_rows, "append_rows");
+  auto ablks = checked<int32_t>(append_block_ids, "append_block_ids");
+  auto out = checked<int32_t>(out_obj, "out", true);
+  const auto m = rows.size();
+  if (toks.size() != m || pos.size() != m)
+    throw py::value_error("new_tokens and new_positions must have len(new_rows) = " +
+                          std::to_string(m) + " elements, got " + std::to_string(toks.size()) +
+                          " and " + std::to_string(pos.size()));
+  if (indptr.size() != m + 1)
+    throw py::value_error("new_block_indptr must have len(new_rows) + 1 = " +
+                          std::to_string(m + 1) + " elements, got " +
+                          std::to_string(indptr.size()));
+  if (ablks.size() != arows.size())
+    throw py::value_error("append_block_ids must have len(append_rows) = " +
+                          std::to_string(arows.size()) + " elements, got " +
+                          std::to_string(ablks.size()));
+  zos::StepInput in{ptr<int64_t>(ids),    ids.size(),          ptr<int32_t>(rows),
+                    ptr<int32_t>(toks),   ptr<int32_t>(pos),   ptr<int32_t>(indptr),
+                    ptr<int32_t>(blks),   m,                   blks.size(),
+                    ptr<int32_t>(arows),  ptr<int32_t>(ablks), arows.size()};
+  py::gil_scoped_release release;
+  return self.pack(in, static_cast<int32_t*>(out.mutable_data()), out.size());
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "zos native core: request remap and the packing of a decode step's staging record.";
+
+  m.def("compute_remap", &compute_remap, py::arg("prev_req_ids"), py::arg("curr_req_ids"),
+        py::arg("out"),
+        R"doc(Remap between two consecutive decode batches.
+
+Writes ``out[i] = j`` where ``curr_req_ids[i] == prev_req_ids[j]``, else -1, for
+i in [0, N), and returns the number of -1 rows. O(N + P) through a hash table
+kept per thread across calls (no allocation once it is large enough); runs
+without the GIL. Rule from ZOS.md ("One decode step, as data").
+
+Args:
+    prev_req_ids: numpy int64 [P], request ids of the previous step's rows.
+    curr_req_ids: numpy int64 [N], request ids of this step's rows.
+    out: numpy int32 with at least N elements (normally ``pinned_tensor.numpy()``);
+        written in place, elements past N untouched.
+
+Raises:
+    TypeError: an argument is not a numpy array or has the wrong dtype.
+    ValueError: not 1-D, not contiguous, ``out`` read-only or shorter than N, or a
+        request id appears twice in either batch (the id and both positions are
+        named). Nothing is written when an error is raised.)doc");
+
+  py::class_<zos::StepPacker>(m, "StepPacker",
+                              R"doc(Packs one decode step into a staging record (layout: csrc/staging.h).
+
+Computes the remap to the previous step, validates the step against a mirror of
+the previous rows (request id, first position, block count), and writes the
+record into a caller-owned int32 buffer, normally a pinned tensor's numpy view.
+Raises ValueError (naming field, row, request and value) before writing anything.)doc")
+      .def(py::init([](int64_t max_reqs, int64_t q, int64_t block_size, int64_t max_blocks_per_seq,
+                       int64_t num_blocks, int64_t vocab_size) {
+             return zos::StepPacker(
+                 {max_reqs, q, block_size, max_blocks_per_seq, num_blocks, vocab_size});
+           }),
+           py::arg("max_reqs"), py::arg("q"), py::arg("block_size"),
+           py::arg("max_blocks_per_seq"), py::arg("num_blocks"), py::arg("vocab_size"))
+      .def("pack", &pack, py::arg("req_ids"), py::arg("new_rows"), py::arg("new_tokens"),
+           py::arg("new_positions"), py::arg("new_block_indptr"), py::arg("new_block_ids"),
+           py::arg("append_rows"), py::arg("append_block_ids"), py::arg("out"),
+           R"doc(Validate one step and write its staging record into ``out``; returns its length in words.
+
+Args (numpy, 1-D, contiguous): req_ids int64 [N]; new_rows int32 [M] (rows whose
+request starts, resumes or restarts here); new_tokens int32 [M] (input token);
+new_positions int32 [M] (position of that token); new_block_indptr int32 [M+1]
+and new_block_ids int32 [L] (CSR: each new row's whole block-table row);
+append_rows int32 [A] and append_block_ids int32 [A] (a block appended after the
+last block of a carried row); out int32 [capacity], written in place.
+
+Rows not in new_rows must hold a request of the previous step; their position
+advances by q and their blocks carry over. Raises ValueError on any inconsistency
+(unknown request without payload, block ids outside [1, num_blocks), a position
+not covered by the row's blocks, beyond max_blocks_per_seq * block_size, more than
+max_reqs rows, record larger than ``out``); TypeError on wrong dtypes.)doc")
+      .def("reset", &zos::StepPacker::reset,
+           "Forget the previous step; every row of the next step must then be new.")
+      .def_property_readonly("prev_num_reqs", &zos::StepPacker::prev_num_reqs,
+                             "Request rows of the last packed step.");
+
+  m.attr("HEADER_WORDS") = zos::staging::kHeaderWords;
+  m.attr("RECORD_WORDS") = zos::staging::kRecordWords;
+}

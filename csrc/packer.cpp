@@ -1,0 +1,202 @@
+#include "packer.h"
+
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+
+#include "staging.h"
+
+namespace zos {
+namespace {
+
+[[noreturn]] void fail(const std::string& msg) { throw std::invalid_argument(msg); }
+
+std::string row_str(int64_t row, int64_t id) {
+  return "row " + std::to_string(row) + " (request " + std::to_string(id) + ")";
+}
+
+}  // namespace
+
+StepPacker::StepPacker(const PackerConfig& cfg) : cfg_(cfg) {
+  auto positive = [](int64_t v, const char* name) {
+    if (v <= 0) fail(std::string(name) + " must be positive, got " + std::to_string(v));
+  };
+  positive(cfg.max_reqs, "max_reqs");
+  positive(cfg.q, "q");
+  positive(cfg.block_size, "block_size");
+  positive(cfg.max_blocks_per_seq, "max_blocks_per_seq");
+  positive(cfg.vocab_size, "vocab_size");
+  if (cfg.num_blocks < 2) fail("num_blocks must be >= 2 (block 0 is reserved), got " +
+                               std::to_string(cfg.num_blocks));
+  const size_t r = static_cast<size_t>(cfg.max_reqs);
+  for (auto* v : {&remap_, &rec_of_row_, &app_count_, &app_start_, &prev_pos0_, &prev_nblocks_,
+                  &curr_pos0_, &curr_nblocks_})
+    v->assign(r, 0);
+  app_order_.reserve(r);
+  prev_ids_.reserve(r);
+}
+
+void StepPacker::reset() { prev_ids_.clear(); }
+
+void StepPacker::validate_new_rows(const StepInput& in) {
+  const int64_t max_len = cfg_.max_blocks_per_seq * cfg_.block_size;
+  if (in.new_block_indptr[0] != 0) fail("new_block_indptr[0] must be 0, got " +
+                                        std::to_string(in.new_block_indptr[0]));
+  if (in.new_block_indptr[in.m] != in.l)
+    fail("new_block_indptr[-1] must equal len(new_block_ids) = " + std::to_string(in.l) +
+         ", got " + std::to_string(in.new_block_indptr[in.m]));
+  for (int64_t k = 0; k < in.m; ++k) {
+    const int64_t row = in.new_rows[k];
+    if (row < 0 || row >= in.n)
+      fail("new_rows[" + std::to_string(k) + "] = " + std::to_string(row) + " is outside [0, " +
+           std::to_string(in.n) + ")");
+    if (rec_of_row_[row] >= 0)
+      fail("new_rows: row " + std::to_string(row) + " appears twice, at positions " +
+           std::to_string(rec_of_row_[row]) + " and " + std::to_string(k));
+    rec_of_row_[row] = static_cast<int32_t>(k);
+    const std::string who = row_str(row, in.req_ids[row]);
+    const int64_t tok = in.new_tokens[k], pos = in.new_positions[k];
+    if (tok < 0 || tok >= cfg_.vocab_size)
+      fail("new_tokens: " + who + " has token " + std::to_string(tok) + " outside [0, " +
+           std::to_string(cfg_.vocab_size) + ")");
+    if (pos < 0 || pos + cfg_.q > max_len)
+      fail("new_positions: " + who + " has position " + std::to_string(pos) +
+           "; positions must lie in [0, max_blocks_per_seq * block_size - q] = [0, " +
+           std::to_string(max_len - cfg_.q) + "]");
+    const int64_t lo = in.new_block_indptr[k], hi = in.new_block_indptr[k + 1];
+    if (hi < lo) fail("new_block_indptr must be non-decreasing, drops at " + std::to_string(k));
+    if (hi - lo > cfg_.max_blocks_per_seq)
+      fail("new_block_ids: " + who + " has " + std::to_string(hi - lo) +
+           " blocks, more than max_blocks_per_seq = " + std::to_string(cfg_.max_blocks_per_seq));
+    const int64_t need = (pos + cfg_.q - 1) / cfg_.block_size + 1;
+    if (hi - lo < need)
+      fail("new_block_ids: " + who + " at position " + std::to_string(pos) + " needs " +
+           std::to_string(need) + " blocks, got " + std::to_string(hi - lo));
+    for (int64_t e = lo; e < hi; ++e) {
+      const int64_t b = in.new_block_ids[e];
+      if (b < 1 || b >= cfg_.num_blocks)
+        fail("new_block_ids: " + who + " has block id " + std::to_string(b) + " outside [1, " +
+             std::to_string(cfg_.num_blocks) + ") (block 0 is the reserved null block)");
+    }
+  }
+}
+
+void StepPacker::validate_appends(const StepInput& in) {
+  for (int64_t e = 0; e < in.a; ++e) {
+    const int64_t row = in.append_rows[e];
+    if (row < 0 || row >= in.n)
+      fail("append_rows[" + std::to_string(e) + "] = " + std::to_string(row) +
+           " is outside [0, " + std::to_string(in.n) + ")");
+    const std::string who = row_str(row, in.req_ids[row]);
+    if (rec_of_row_[row] >= 0)
+      fail("append_rows: " + who + " is a new row; put the block in its new_block_ids");
+    const int64_t b = in.append_block_ids[e];
+    if (b < 1 || b >= cfg_.num_blocks)
+      fail("append_block_ids: " + who + " gets block id " + std::to_string(b) +
+           " outside [1, " + std::to_string(cfg_.num_blocks) + ")");
+    ++app_count_[row];
+  }
+}
+
+int64_t StepPacker::pack(const StepInput& in, int32_t* out, int64_t capacity) {
+  namespace st = staging;
+  const int64_t n = in.n;
+  if (n > cfg_.max_reqs)
+    fail("req_ids: " + std::to_string(n) + " rows exceed max_reqs = " +
+         std::to_string(cfg_.max_reqs));
+  const int64_t p = prev_num_reqs();
+  remap_table_.compute(prev_ids_.data(), p, in.req_ids, n, remap_.data());
+  std::fill_n(rec_of_row_.begin(), n, -1);
+  std::fill_n(app_count_.begin(), n, 0);
+  validate_new_rows(in);
+  validate_appends(in);
+
+  // Rows and their records: new rows take records [0, m), appended rows follow.
+  const int64_t max_len = cfg_.max_blocks_per_seq * cfg_.block_size;
+  int64_t m_total = in.m;
+  app_order_.clear();
+  for (int64_t i = 0; i < n; ++i) {
+    if (rec_of_row_[i] >= 0) {
+      const int32_t k = rec_of_row_[i];
+      curr_pos0_[i] = in.new_positions[k];
+      curr_nblocks_[i] = in.new_block_indptr[k + 1] - in.new_block_indptr[k];
+      continue;
+    }
+    const int32_t j = remap_[i];
+    if (j < 0)
+      fail("new_rows: " + row_str(i, in.req_ids[i]) +
+           " was not in the previous step and has no new-row payload");
+    const int64_t pos = prev_pos0_[j] + cfg_.q;
+    const int64_t nb = prev_nblocks_[j] + app_count_[i];
+    if (nb > cfg_.max_blocks_per_seq)
+      fail("append_rows: " + row_str(i, in.req_ids[i]) + " would hold " + std::to_string(nb) +
+           " blocks, more than max_blocks_per_seq = " + std::to_string(cfg_.max_blocks_per_seq));
+    if (pos + cfg_.q > max_len)
+      fail("req_ids: " + row_str(i, in.req_ids[i]) + " reaches position " +
+           std::to_string(pos + cfg_.q - 1) + ", beyond max_blocks_per_seq * block_size = " +
+           std::to_string(max_len));
+    if ((pos + cfg_.q - 1) / cfg_.block_size >= nb)
+      fail("append_rows: " + row_str(i, in.req_ids[i]) + " at position " +
+           std::to_string(pos + cfg_.q - 1) + " needs block column " +
+           std::to_string((pos + cfg_.q - 1) / cfg_.block_size) + " but holds " +
+           std::to_string(nb) + " blocks; append a block");
+    curr_pos0_[i] = static_cast<int32_t>(pos);
+    curr_nblocks_[i] = static_cast<int32_t>(nb);
+    if (app_count_[i] > 0) {
+      rec_of_row_[i] = static_cast<int32_t>(m_total++);
+      app_order_.push_back(static_cast<int32_t>(i));
+    }
+  }
+  const int64_t l_total = in.l + in.a;
+  const int64_t words = st::total_words(n, m_total, l_total);
+  if (words > capacity)
+    fail("out: the staging record needs " + std::to_string(words) + " words, capacity is " +
+         std::to_string(capacity));
+
+  // Everything is valid: write the record, then commit the mirror.
+  int32_t* row_src = out + st::kHeaderWords;
+  int32_t* row_rec = row_src + n;
+  int32_t* records = row_rec + n;
+  int32_t* blocks = records + st::kRecordWords * m_total;
+  std::fill_n(out, st::kHeaderWords, 0);
+  out[st::kNumReqs] = static_cast<int32_t>(n);
+  out[st::kNumTokens] = static_cast<int32_t>(n * cfg_.q);
+  out[st::kPrevReqs] = static_cast<int32_t>(p);
+  out[st::kNumRecords] = static_cast<int32_t>(m_total);
+  out[st::kNumBlockIds] = static_cast<int32_t>(l_total);
+  out[st::kQ] = static_cast<int32_t>(cfg_.q);
+  for (int64_t i = 0; i < n; ++i) {
+    const bool is_new = rec_of_row_[i] >= 0 && rec_of_row_[i] < in.m;
+    row_src[i] = is_new ? -1 : remap_[i];
+    row_rec[i] = rec_of_row_[i];
+  }
+  std::copy_n(in.new_block_ids, in.l, blocks);
+  for (int64_t k = 0; k < in.m; ++k) {
+    int32_t* r = records + st::kRecordWords * k;
+    r[st::kToken] = in.new_tokens[k];
+    r[st::kPos0] = in.new_positions[k];
+    r[st::kCol0] = 0;
+    r[st::kCount] = in.new_block_indptr[k + 1] - in.new_block_indptr[k];
+    r[st::kBlkOff] = in.new_block_indptr[k];
+  }
+  // Appended blocks, grouped by row in input order (a counting sort).
+  int64_t off = in.l;
+  for (int32_t i : app_order_) {
+    app_start_[i] = static_cast<int32_t>(off);
+    int32_t* r = records + st::kRecordWords * rec_of_row_[i];
+    r[st::kToken] = -1;
+    r[st::kPos0] = -1;
+    r[st::kCol0] = prev_nblocks_[remap_[i]];
+    r[st::kCount] = app_count_[i];
+    r[st::kBlkOff] = static_cast<int32_t>(off);
+    off += app_count_[i];
+  }
+  for (int64_t e = 0; e < in.a; ++e) blocks[app_start_[in.append_rows[e]]++] = in.append_block_ids[e];
+
+  prev_ids_.assign(in.req_ids, in.req_ids + n);
+  std::swap(prev_pos0_, curr_pos0_);
+  std::swap(prev_nblocks_, curr_nblocks_);
+  return words;
+}
+
+}  // namespace zos

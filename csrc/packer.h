@@ -1,0 +1,61 @@
+// StepPacker: all per-step host work that grows with the number of rows, in one
+// O(N + M + A) pass: remap, validation and packing of the staging record
+// (layout in staging.h). Keeps a small mirror of the previous step's rows
+// (request id, first position, block count) so that bad input is caught on the
+// host, before anything is written or uploaded.
+#pragma once
+#include <cstdint>
+#include <vector>
+
+#include "remap.h"
+
+namespace zos {
+
+struct PackerConfig {
+  int64_t max_reqs;            // request rows the device buffers hold
+  int64_t q;                   // token rows per request row (1 + draft tokens)
+  int64_t block_size;          // tokens per KV block
+  int64_t max_blocks_per_seq;  // block-table width W
+  int64_t num_blocks;          // KV blocks; ids in [1, num_blocks), 0 is the null block
+  int64_t vocab_size;          // token ids in [0, vocab_size)
+};
+
+struct StepInput {
+  const int64_t* req_ids;  // [n]
+  int64_t n;
+  const int32_t* new_rows;       // [m] rows starting (or restarting) here
+  const int32_t* new_tokens;     // [m] input token of that row
+  const int32_t* new_positions;  // [m] position of that token
+  const int32_t* new_block_indptr;  // [m + 1] CSR offsets into new_block_ids
+  const int32_t* new_block_ids;     // [l] whole block-table rows of the new rows
+  int64_t m;
+  int64_t l;
+  const int32_t* append_rows;       // [a] carried rows that got a block this step
+  const int32_t* append_block_ids;  // [a] the block, appended after the row's last one
+  int64_t a;
+};
+
+class StepPacker {
+ public:
+  explicit StepPacker(const PackerConfig& cfg);
+  // Validates `in` against the previous step, then writes its staging record
+  // into out[0, words) and returns words. Throws std::invalid_argument naming
+  // the field, row and value; on a throw neither `out` nor the mirror changed.
+  int64_t pack(const StepInput& in, int32_t* out, int64_t capacity);
+  // Forgets the previous step: every row of the next step must be new.
+  void reset();
+  int64_t prev_num_reqs() const { return static_cast<int64_t>(prev_ids_.size()); }
+  const PackerConfig& config() const { return cfg_; }
+
+ private:
+  void validate_new_rows(const StepInput& in);
+  void validate_appends(const StepInput& in);
+
+  PackerConfig cfg_;
+  RemapTable remap_table_;
+  std::vector<int32_t> remap_, rec_of_row_, app_count_, app_start_, app_order_;
+  std::vector<int64_t> prev_ids_;
+  std::vector<int32_t> prev_pos0_, prev_nblocks_, curr_pos0_, curr_nblocks_;
+};
+
+}  // namespace zos

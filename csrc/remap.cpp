@@ -1,0 +1,80 @@
+#include "remap.h"
+
+#include <stdexcept>
+#include <string>
+
+namespace zos {
+namespace {
+
+inline uint64_t mix(uint64_t x) {  // splitmix64 finaliser
+  x ^= x >> 30;
+  x *= 0xbf58476d1ce4e5b9ULL;
+  x ^= x >> 27;
+  x *= 0x94d049bb133111ebULL;
+  return x ^ (x >> 31);
+}
+
+[[noreturn]] void duplicate(const char* field, int64_t id, int32_t first, int64_t second) {
+  throw std::invalid_argument(std::string(field) + ": request id " + std::to_string(id) +
+                              " appears twice, at positions " + std::to_string(first) +
+                              " and " + std::to_string(second));
+}
+
+}  // namespace
+
+void RowIndex::reset(int64_t n) {
+  uint64_t want = 16;
+  while (want < static_cast<uint64_t>(2 * n)) want <<= 1;
+  if (want > keys_.size()) {
+    keys_.assign(want, 0);
+    rows_.assign(want, -1);
+    stamps_.assign(want, 0);
+    mask_ = want - 1;
+    stamp_ = 0;
+  }
+  if (++stamp_ == 0) {  // wrapped: old stamps could look current
+    std::fill(stamps_.begin(), stamps_.end(), 0);
+    stamp_ = 1;
+  }
+}
+
+int32_t RowIndex::insert(int64_t key, int32_t row) {
+  for (uint64_t h = mix(static_cast<uint64_t>(key)) & mask_;; h = (h + 1) & mask_) {
+    if (stamps_[h] != stamp_) {
+      stamps_[h] = stamp_;
+      keys_[h] = key;
+      rows_[h] = row;
+      return -1;
+    }
+    if (keys_[h] == key) return rows_[h];
+  }
+}
+
+int32_t RowIndex::find(int64_t key) const {
+  for (uint64_t h = mix(static_cast<uint64_t>(key)) & mask_;; h = (h + 1) & mask_) {
+    if (stamps_[h] != stamp_) return -1;
+    if (keys_[h] == key) return rows_[h];
+  }
+}
+
+int64_t RemapTable::compute(const int64_t* prev, int64_t p, const int64_t* curr, int64_t n,
+                            int32_t* out) {
+  prev_index_.reset(p);
+  for (int64_t j = 0; j < p; ++j) {
+    int32_t first = prev_index_.insert(prev[j], static_cast<int32_t>(j));
+    if (first >= 0) duplicate("prev_req_ids", prev[j], first, j);
+  }
+  curr_index_.reset(n);
+  for (int64_t i = 0; i < n; ++i) {
+    int32_t first = curr_index_.insert(curr[i], static_cast<int32_t>(i));
+    if (first >= 0) duplicate("curr_req_ids", curr[i], first, i);
+  }
+  int64_t missing = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    out[i] = prev_index_.find(curr[i]);
+    missing += out[i] < 0;
+  }
+  return missing;
+}
+
+}  // namespace zos

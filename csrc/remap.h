@@ -1,0 +1,42 @@
+// Request-id remap between two consecutive decode batches (O(N + P), no
+// allocation in the steady state). See ZOS.md, "One decode step, as data".
+#pragma once
+#include <cstdint>
+#include <vector>
+
+namespace zos {
+
+// Open-addressing hash map int64 request id -> int32 row, cleared in O(1) by
+// bumping a generation stamp instead of touching the slots.
+class RowIndex {
+ public:
+  // Makes room for n keys (grows, never shrinks) and forgets every key.
+  void reset(int64_t n);
+  // Inserts key -> row; returns the row already stored for key, or -1 if new.
+  int32_t insert(int64_t key, int32_t row);
+  // Row stored for key, or -1.
+  int32_t find(int64_t key) const;
+
+ private:
+  std::vector<int64_t> keys_;
+  std::vector<int32_t> rows_;
+  std::vector<uint32_t> stamps_;
+  uint64_t mask_ = 0;
+  uint32_t stamp_ = 0;
+};
+
+// Computes remap[i] = j where curr[i] == prev[j], else -1, and returns the count
+// of -1 rows. Throws std::invalid_argument (ValueError in Python) naming the id
+// and both positions if an id repeats within prev or within curr; `out` is
+// written only after both checks pass.
+class RemapTable {
+ public:
+  int64_t compute(const int64_t* prev, int64_t p, const int64_t* curr, int64_t n,
+                  int32_t* out);
+
+ private:
+  RowIndex prev_index_;
+  RowIndex curr_index_;
+};
+
+}  // namespace zos

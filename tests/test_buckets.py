@@ -1,0 +1,287 @@
+"""Tests for zos.buckets and the ``zos buckets`` CLI (exact, seeded, no GPU)."""
+from fractions import Fraction
+
+import numpy as np
+import pytest
+
+from zos import buckets as B
+from zos.buckets import BucketTable
+from zos.cli import main
+
+VLLM_512 = [1, 2, 4] + list(range(8, 256, 8)) + list(range(256, 513, 16))
+
+
+def all_tables():
+    """A spread of policy tables plus an irregular explicit one."""
+    return [
+        B.vllm_policy(), B.vllm_policy(100), B.vllm_policy(num_draft_tokens=3),
+        B.vllm_policy(num_draft_tokens=2, spec_rounding="round_up"),
+        B.deepinfer_policy(), B.deepinfer_policy(nextn=5), B.deepinfer_policy(4),
+        B.sglang_policy(), B.sglang_policy(512), B.sglang_policy(num_draft_tokens=3),
+        B.sglang_policy(attn_tp_size=4, max_running_requests=50),
+        B.trtllm_policy(), B.trtllm_policy(512), B.trtllm_policy(100, enable_padding=False),
+        BucketTable([3, 7, 8, 30, 31, 100]),
+    ]
+
+
+# ---- policies: exact counts and sizes ------------------------------------------------------
+
+def test_vllm_default_sizes_and_count():
+    t = B.vllm_policy()
+    assert list(t.sizes) == VLLM_512 and len(t) == 51 and t.max_size == 512 and t.q == 1
+    assert B.from_policy("vllm", max_capture_size=512).sizes == t.sizes
+    assert list(B.vllm_policy(100).sizes) == [1, 2, 4] + list(range(8, 97, 8))
+
+
+def test_vllm_worst_cases_exact():
+    by_bucket = {iv.bucket: iv for iv in B.vllm_policy().intervals()}
+    for bucket, n, frac in [(8, 5, Fraction(3, 8)), (256, 249, Fraction(7, 256)),
+                            (512, 497, Fraction(15, 512))]:
+        iv = by_bucket[bucket]
+        assert (iv.lo, iv.hi, iv.worst_n) == (n, bucket, n)
+        assert Fraction(iv.worst_waste) == frac
+        assert B.vllm_policy().waste(n) == float(frac)
+    w = B.vllm_policy().worst_case()  # overall worst is (8, 16]: n = 9 -> 16
+    assert (w.bucket, w.worst_n, Fraction(w.worst_waste)) == (16, 9, Fraction(7, 16))
+
+
+def test_vllm_draft_tokens():
+    t = B.vllm_policy(num_draft_tokens=3)
+    assert t.q == 4 and t.sizes == tuple(s for s in VLLM_512 if s % 4 == 0)
+    t = B.vllm_policy(num_draft_tokens=2)
+    assert t.sizes == tuple(s for s in VLLM_512 if s % 3 == 0) and t.sizes[0] == 24
+    r = B.vllm_policy(num_draft_tokens=2, spec_rounding="round_up")
+    # 512 rounds to 513 > max and is dropped
+    assert r.sizes[:7] == (3, 6, 9, 18, 24, 33, 42) and r.max_size == 498
+    assert B.vllm_policy(4, num_draft_tokens=3, spec_rounding="round_up").sizes == (4,)
+    with pytest.raises(ValueError, match="num_draft_tokens"):
+        B.vllm_policy(num_draft_tokens=600)
+    with pytest.raises(ValueError, match="spec_rounding"):
+        B.vllm_policy(spec_rounding="nearest")
+
+
+def test_deepinfer_counts():
+    t = B.deepinfer_policy(256, nextn=0)
+    assert len(t) == 35 and t.max_size == 256 and t.sizes[:5] == (1, 2, 4, 8, 16)
+    t5 = B.deepinfer_policy(256, nextn=5)
+    assert len(t5) == 195 and t5.max_size == 1536 and t5.q == 6 and not t5.uniform_decode
+    assert t5.sizes[-3:] == (1520, 1528, 1536)
+    assert B.from_policy("deepinfer", max_num_seqs=256, nextn=5).sizes == t5.sizes
+    assert B.deepinfer_policy(4).sizes == (1, 2, 4)  # interval clipped to max
+    assert B.deepinfer_policy(3, interval=1).sizes == (1, 2, 3)
+
+
+def test_sglang_default_lists():
+    assert len(B.sglang_policy(256)) == 36 and len(B.sglang_policy(512)) == 52
+    assert B.sglang_policy(256).sizes[:6] == (1, 2, 4, 8, 12, 16)
+    bs, mul = B.sglang_batch_sizes(256, num_draft_tokens=3)
+    assert len(bs) == 51 and mul == 1 and bs[:10] == [1, 2, 3, 4, 5, 6, 7, 8, 10, 12]
+    t = B.sglang_policy(256, num_draft_tokens=3)  # token rows: bs * q
+    assert t.q == 4 and t.sizes == tuple(b * 4 for b in bs)
+    assert B.sglang_batch_sizes(100)[0][-2:] == [96, 100]  # max_bs appended
+
+
+@pytest.mark.parametrize("tp,cp,k,pool", [(1, 1, 0, None), (2, 1, 0, 64), (4, 1, 0, 50),
+                                          (4, 2, 0, None), (3, 2, 1, 70), (8, 1, 3, 33),
+                                          (2, 4, 0, 7), (1, 1, 2, 5)])
+def test_sglang_alignment_filter(tp, cp, k, pool):
+    bs, mul = B.sglang_batch_sizes(256, num_draft_tokens=k, attn_tp_size=tp, attn_cp_size=cp,
+                                   max_running_requests=pool)
+    assert mul == (tp if tp % cp == 0 else tp * cp)
+    assert bs == sorted(set(bs)) and all(b * (1 + k) % mul == 0 for b in bs)
+    if pool is not None:
+        cap = -(-pool // mul) * mul  # SGLang rounds the pool up to mul_base
+        assert max(bs) <= cap
+        if cap * (1 + k) % mul == 0:
+            assert cap in bs  # the largest admissible batch keeps a graph
+    t = B.sglang_policy(256, num_draft_tokens=k, attn_tp_size=tp, attn_cp_size=cp,
+                        max_running_requests=pool)
+    assert t.alignment == mul and all(s % mul == 0 and s % (1 + k) == 0 for s in t.sizes)
+
+
+def test_sglang_known_filtered_list():
+    assert B.sglang_batch_sizes(256, attn_tp_size=4, max_running_requests=50) == (
+        [4, 8, 12, 16, 24, 32, 40, 48, 52], 4)
+    assert B.sglang_batch_sizes(256, max_running_requests=10)[0] == [1, 2, 4, 8, 10]
+
+
+def test_trtllm_sizes():
+    assert B.trtllm_policy().sizes == (1, 2, 4) + tuple(range(8, 129, 8))
+    assert B.trtllm_policy(512).sizes[-6:] == (128, 192, 256, 320, 384, 448, 512)[1:]
+    assert B.trtllm_policy(300).sizes[-4:] == (128, 192, 256, 300)
+    assert B.trtllm_policy(6).sizes == (1, 2, 4, 6)
+    assert B.trtllm_policy(enable_padding=False).sizes == tuple(range(1, 32)) + (32, 64, 128)
+    assert B.trtllm_policy(1000, enable_padding=False).sizes[-4:] == (128, 256, 512, 1000)
+
+
+def test_trtllm_graph_keys():
+    sizes = B.trtllm_policy(128).sizes
+    assert B.trtllm_graph_keys(128, 0) == [(b, 0) for b in sizes]
+    # one-engine speculation (MTP, Eagle3 one-model): no draft-length-0 graphs
+    assert B.trtllm_graph_keys(128, 3) == [(b, 3) for b in sizes]
+    assert B.trtllm_graph_keys(128, 3, one_engine=False) == [(b, 3) for b in sizes]
+    keys = B.trtllm_graph_keys(128, 3, one_engine=False, max_concurrency=16)
+    assert len(keys) == 2 * len(sizes) and set(keys) == {(b, d) for b in sizes for d in (3, 0)}
+    keys0 = B.trtllm_graph_keys(128, 0, one_engine=False, max_concurrency=16)
+    assert keys0 == [(b, 0) for b in sizes]
+
+
+def test_from_policy_unknown_and_explicit():
+    assert B.from_policy("explicit", sizes=[2, 4], q=2).sizes == (2, 4)
+    with pytest.raises(ValueError, match="name"):
+        B.from_policy("tgi")
+
+
+# ---- the table itself ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("t", all_tables(), ids=repr)
+def test_padded_size_minimal_and_monotone(t):
+    prev = 0
+    for n in range(1, t.max_size + 1):
+        got = t.padded_size(n)
+        assert got == min(b for b in t.sizes if b >= n)
+        assert got >= prev
+        prev = got
+    for n in (t.max_size + 1, t.max_size + 1000):
+        assert t.padded_size(n) is None
+    for s in t.sizes:
+        assert s in t and t.padded_size(s) == s and t.waste(s) == 0.0
+
+
+@pytest.mark.parametrize("t", all_tables(), ids=repr)
+def test_padded_sizes_vectorized(t):
+    rng = np.random.default_rng(1234)
+    ns = rng.integers(1, t.max_size + 50, size=2000)
+    ref = np.array([t.padded_size(int(n)) or -1 for n in ns])
+    out = t.padded_sizes(ns)
+    assert out.dtype == np.int64 and np.array_equal(out, ref)
+    assert np.array_equal(t.padded_sizes(ns.reshape(40, 50)), ref.reshape(40, 50))
+    assert t.padded_sizes(np.array([], dtype=np.int64)).shape == (0,)
+
+
+@pytest.mark.parametrize("t", all_tables(), ids=repr)
+def test_intervals_cover_and_worst(t):
+    ivs = t.intervals()
+    assert [iv.bucket for iv in ivs] == list(t.sizes) and ivs[0].lo == 1
+    step = t.q if t.uniform_decode else 1
+    for a, b in zip(ivs, ivs[1:]):
+        assert b.lo == a.hi + 1
+    for iv in ivs:
+        assert iv.worst_n == iv.lo - 1 + step
+        assert iv.worst_waste == (iv.bucket - iv.worst_n) / iv.bucket
+        assert iv.worst_waste == max(t.waste(n) for n in range(iv.worst_n, iv.hi + 1, step))
+    assert t.worst_case().worst_waste == max(iv.worst_waste for iv in ivs)
+
+
+def test_table_basics():
+    t = BucketTable([2, 4, 8], q=2, alignment=2, name="x")
+    assert len(t) == 3 and list(t) == [2, 4, 8] and 4 in t and 3 not in t
+    assert t.max_size == 8 and t.q == 2 and t.alignment == 2
+    assert "x" in repr(t) and "n=3" in repr(t)
+    assert t.waste(5) == 3 / 8 and t._lut.dtype == np.int32 and t._lut.shape == (9,)
+    assert BucketTable(np.array([1, 3])).sizes == (1, 3)
+    with pytest.raises(ValueError, match="above"):
+        t.waste(9)
+
+
+@pytest.mark.parametrize("kwargs,exc,field", [
+    (dict(sizes=[]), ValueError, "sizes"),
+    (dict(sizes=[1, 2.0]), TypeError, r"sizes\[1\]"),
+    (dict(sizes=[1, "4"]), TypeError, r"sizes\[1\]"),
+    (dict(sizes=[True, 2]), TypeError, r"sizes\[0\]"),
+    (dict(sizes=[0, 2]), ValueError, r"sizes\[0\]"),
+    (dict(sizes=[-4]), ValueError, r"sizes\[0\]"),
+    (dict(sizes=[1, 4, 4]), ValueError, r"sizes\[2\].*increasing"),
+    (dict(sizes=[4, 2]), ValueError, r"sizes\[1\].*increasing"),
+    (dict(sizes=[4, 6], alignment=4), ValueError, r"sizes\[1\].*alignment"),
+    (dict(sizes=[2, 3], q=2), ValueError, r"sizes\[1\].*q=2"),
+    (dict(sizes=[1], q=0), ValueError, "q"),
+    (dict(sizes=[1], q=1.5), TypeError, "q"),
+    (dict(sizes=[1], alignment=0), ValueError, "alignment"),
+    (dict(sizes=[1], alignment=False), TypeError, "alignment"),
+])
+def test_validation_errors(kwargs, exc, field):
+    with pytest.raises(exc, match=field):
+        BucketTable(**kwargs)
+
+
+def test_non_uniform_allows_non_multiples_of_q():
+    assert BucketTable([2, 3], q=2, uniform_decode=False).sizes == (2, 3)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.0, True, "3", None])
+def test_padded_size_rejects(bad):
+    with pytest.raises(ValueError, match="n"):
+        B.vllm_policy().padded_size(bad)
+
+
+@pytest.mark.parametrize("bad", [np.array([0, 1]), np.array([1.0, 2.0]), np.array([-3])])
+def test_padded_sizes_rejects(bad):
+    with pytest.raises(ValueError, match="ns"):
+        B.vllm_policy().padded_sizes(bad)
+
+
+@pytest.mark.parametrize("fn,kwargs", [
+    (B.vllm_policy, dict(max_capture_size=0)), (B.deepinfer_policy, dict(max_num_seqs=0)),
+    (B.deepinfer_policy, dict(nextn=-1)), (B.sglang_policy, dict(attn_tp_size=0)),
+    (B.sglang_policy, dict(max_bs=1, attn_tp_size=2, num_draft_tokens=0)),
+    (B.trtllm_policy, dict(max_batch_size=0)), (B.trtllm_graph_keys, dict(max_draft_len=-1)),
+])
+def test_policy_argument_errors(fn, kwargs):
+    with pytest.raises(ValueError):
+        fn(**kwargs)
+
+
+def test_llamacpp_note():
+    assert "cudaGraphExecUpdate" in B.LLAMACPP_NOTE
+
+
+# ---- CLI -----------------------------------------------------------------------------------
+
+def run_cli(capsys, *argv):
+    rc = main(list(argv))
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_cli_deepinfer_195(capsys):
+    rc, out, _ = run_cli(capsys, "buckets", "--policy", "deepinfer", "--max-num-seqs", "256",
+                         "--nextn", "5")
+    assert rc == 0 and "195 sizes" in out and "max 1536" in out and "7/16" in out
+
+
+def test_cli_vllm_default(capsys):
+    rc, out, _ = run_cli(capsys, "buckets", "--policy", "vllm")
+    assert rc == 0 and "51 sizes" in out and "n=5: 3/8" in out
+    assert ",".join(map(str, VLLM_512)) in out
+
+
+def test_cli_sglang_and_trtllm(capsys):
+    rc, out, _ = run_cli(capsys, "buckets", "--policy", "sglang", "--attn-tp-size", "4",
+                         "--max-running-requests", "50")
+    assert rc == 0 and "sizes: 4,8,12,16,24,32,40,48,52" in out
+    rc, out, _ = run_cli(capsys, "buckets", "--policy", "trtllm", "--num-draft-tokens", "3")
+    assert rc == 0 and "19 sizes" in out and "graph keys" in out
+
+
+def test_cli_explicit_sizes(capsys):
+    rc, out, _ = run_cli(capsys, "buckets", "--sizes", "1,2,4,8")
+    assert rc == 0 and "4 sizes" in out and "explicit" in out
+
+
+def test_cli_compare(capsys):
+    rc, out, _ = run_cli(capsys, "buckets", "--compare")
+    lines = out.splitlines()
+    assert rc == 0 and len(lines) == 6
+    assert lines[1].split()[:3] == ["vllm", "51", "512"]
+    assert lines[2].split()[:3] == ["deepinfer", "35", "256"]
+    assert lines[5].startswith("llama.cpp") and "cudaGraphExecUpdate" in lines[5]
+
+
+def test_cli_errors(capsys):
+    rc, _, err = run_cli(capsys, "buckets", "--sizes", "4,2")
+    assert rc == 2 and "increasing" in err
+    with pytest.raises(SystemExit):
+        main(["buckets", "--policy", "nope"])
+    with pytest.raises(SystemExit):
+        main([])

@@ -1,0 +1,122 @@
+"""Decode-step metadata prep kernels (pure ``@triton.jit``; launchers in zos/kernels.py).
+
+Both kernels run one program per request row r of the padded step and read the
+real row count N from the staged record on the device (never from a launch
+argument), so one capture per bucket serves every N <= bucket. The record
+layout is csrc/staging.h; word offsets are repeated here as constexpr-free
+literals because Triton kernels cannot import Python constants at trace time
+without passing them, and tests/test_staging.py pins both to the C++ header.
+
+Permutations are made safe by a gather to scratch: ``snapshot_moved_rows``
+copies the previous state of every row that moves (remap[r] = j != r) into
+scratch before ``rebuild_rows`` overwrites any row in place, so a row read by
+another row's program (swap, 3-cycle, condense) is read before it is written.
+Rows that keep their place (remap[r] == r) touch only what changed.
+"""
+import triton
+import triton.language as tl
+
+
+
+@triton.jit
+def snapshot_moved_rows(staging_ptr, positions_ptr, num_blocks_ptr, block_table_ptr,
+                        scratch_pos_ptr, scratch_nb_ptr, scratch_bt_ptr, bt_stride,
+                        Q: tl.constexpr, BLOCK_W: tl.constexpr):
+    r = tl.program_id(0)
+    n = tl.load(staging_ptr)
+    if r < n:
+        j = tl.load(staging_ptr + 8 + r)
+        if (j >= 0) & (j != r):
+            j64 = j.to(tl.int64)
+            tl.store(scratch_pos_ptr + r, tl.load(positions_ptr + j64 * Q))
+            nb = tl.load(num_blocks_ptr + j)
+            tl.store(scratch_nb_ptr + r, nb)
+            for c0 in range(0, nb, BLOCK_W):
+                cols = c0 + tl.arange(0, BLOCK_W)
+                keep = cols < nb
+                v = tl.load(block_table_ptr + j64 * bt_stride + cols, mask=keep)
+                tl.store(scratch_bt_ptr + r.to(tl.int64) * bt_stride + cols, v, mask=keep)
+
+
+@triton.jit
+def rebuild_rows(staging_ptr, sampled_ptr, accepted_ptr,
+                 input_ids_ptr, positions_ptr, slot_mapping_ptr, seq_lens_ptr, qsl_ptr,
+                 block_table_ptr, num_blocks_ptr, counts_ptr,
+                 scratch_pos_ptr, scratch_nb_ptr, scratch_bt_ptr,
+                 bt_stride, block_size, pad_token_id, seq_len_fill,
+                 Q: tl.constexpr, Q_POW2: tl.constexpr, BLOCK_W: tl.constexpr):
+    r = tl.program_id(0)
+    r64 = r.to(tl.int64)
+    n = tl.load(staging_ptr)
+    num_records = tl.load(staging_ptr + 3)
+    t = tl.arange(0, Q_POW2)
+    tmask = t < Q
+    tok_rows = r64 * Q + t
+    row_bt = block_table_ptr + r64 * bt_stride
+    old_nb = tl.load(num_blocks_ptr + r)
+    # query_start_loc is r * q through the padding (non-decreasing, no stale tail).
+    tl.store(qsl_ptr + r + 1, (r + 1) * Q)
+    if r == 0:
+        tl.store(qsl_ptr, 0)
+        tl.store(counts_ptr, n)
+        tl.store(counts_ptr + 1, n * Q)
+    if r < n:
+        src = tl.load(staging_ptr + 8 + r)
+        rec = tl.load(staging_ptr + 8 + n + r)
+        rec_ptr = staging_ptr + 8 + 2 * n + 5 * rec
+        blk_base = staging_ptr + 8 + 2 * n + 5 * num_records
+        has_rec = rec >= 0
+        moved = (src >= 0) & (src != r)
+        in_place = src == r
+        if src >= 0:
+            # Carried row: token sampled for it, position advanced by accepted tokens.
+            token = tl.load(sampled_ptr + src)
+            prev_pos = tl.where(moved, tl.load(scratch_pos_ptr + r), tl.load(positions_ptr + r64 * Q))
+            pos0 = prev_pos + tl.load(accepted_ptr + src)
+            nb_src = tl.where(moved, tl.load(scratch_nb_ptr + r), old_nb)
+        else:
+            token = tl.load(rec_ptr)
+            pos0 = tl.load(rec_ptr + 1)
+            nb_src = old_nb * 0
+        col0 = tl.where(has_rec, tl.load(rec_ptr + 2, mask=has_rec, other=0), nb_src)
+        cnt = tl.where(has_rec, tl.load(rec_ptr + 3, mask=has_rec, other=0), 0)
+        blk_off = tl.where(has_rec, tl.load(rec_ptr + 4, mask=has_rec, other=0), 0)
+        nb_new = col0 + cnt
+        # Block-table row: kept columns from scratch (moved rows only), payload
+        # columns [col0, nb_new), and the null block over what a previous
+        # occupant left in [nb_new, old_nb).
+        start = tl.where(in_place, col0, 0)
+        end = tl.maximum(nb_new, old_nb)
+        for c0 in range(start, end, BLOCK_W):
+            cols = c0 + tl.arange(0, BLOCK_W)
+            kept = tl.where(moved, cols < col0, False)
+            fresh = (cols >= col0) & (cols < nb_new)
+            v_kept = tl.load(scratch_bt_ptr + r64 * bt_stride + cols, mask=kept, other=0)
+            v_new = tl.load(blk_base + blk_off + cols - col0, mask=fresh, other=0)
+            tl.store(row_bt + cols, tl.where(fresh, v_new, v_kept), mask=cols < end)
+        tl.store(num_blocks_ptr + r, nb_new)
+        # Token rows: positions, slots (int64), input token.
+        pos = pos0 + t
+        col = pos // block_size
+        from_payload = col >= col0
+        kept = tmask & (col < col0)
+        b_kept_moved = tl.load(scratch_bt_ptr + r64 * bt_stride + col,
+                               mask=tl.where(moved, kept, False), other=0)
+        b_kept_here = tl.load(row_bt + col, mask=tl.where(in_place, kept, False), other=0)
+        b_new = tl.load(blk_base + blk_off + col - col0, mask=tmask & from_payload, other=0)
+        blk = tl.where(from_payload, b_new, tl.where(moved, b_kept_moved, b_kept_here))
+        slot = blk.to(tl.int64) * block_size + (pos % block_size).to(tl.int64)
+        tl.store(positions_ptr + tok_rows, pos, mask=tmask)
+        tl.store(slot_mapping_ptr + tok_rows, slot, mask=tmask)
+        tl.store(input_ids_ptr + tok_rows, token + t * 0, mask=tmask & (t == 0))
+        tl.store(seq_lens_ptr + r, pos0 + Q)
+    else:
+        # Dummy row: the padding ledger of ZOS.md.
+        for c0 in range(0, old_nb, BLOCK_W):
+            cols = c0 + tl.arange(0, BLOCK_W)
+            tl.store(row_bt + cols, cols * 0, mask=cols < old_nb)
+        tl.store(num_blocks_ptr + r, 0)
+        tl.store(input_ids_ptr + tok_rows, pad_token_id + t * 0, mask=tmask)
+        tl.store(positions_ptr + tok_rows, t * 0, mask=tmask)
+        tl.store(slot_mapping_ptr + tok_rows, (t * 0 - 1).to(tl.int64), mask=tmask)
+        tl.store(seq_lens_ptr + r, seq_len_fill)

@@ -1,0 +1,261 @@
+"""Bucket tables: the sizes a CUDA graph is captured for, and rounding an actual size up to one.
+
+Unit: token rows (``N * q`` with ``q = 1 + k`` for k draft tokens) unless a policy says otherwise
+(TensorRT-LLM's table is in requests). A size above the largest bucket has no bucket: that step
+runs eagerly. numpy + stdlib only (no torch) so this can run on the host at start-up.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+
+import numpy as np
+
+LLAMACPP_NOTE = (
+    "llama.cpp keeps no bucket list: it caches CUDA graphs by graph structure, updates an "
+    "instantiated graph in place (cudaGraphExecUpdate) when only kernel parameters changed, "
+    "re-captures when the structure changed, and evicts graphs unused for a while; no padding."
+)
+
+
+def _check_int(field: str, value, lo: int = 1) -> int:
+    """Return ``value`` as int; TypeError if not an integer (bool rejected), ValueError if < lo."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{field}: expected an int, got {value!r} ({type(value).__name__})")
+    if value < lo:
+        raise ValueError(f"{field}: must be >= {lo}, got {value!r}")
+    return int(value)
+
+
+@dataclass(frozen=True)
+class Interval:
+    """Sizes ``lo..hi`` (inclusive, in the table's unit) all padded to ``bucket`` (== hi); the worst
+    case is ``worst_n`` with waste ``worst_waste = (bucket - worst_n) / bucket``."""
+
+    lo: int
+    hi: int
+    bucket: int
+    worst_n: int
+    worst_waste: float
+
+
+class BucketTable:
+    """Validated, increasing capture sizes with O(1) round-up through a lookup array.
+
+    ``sizes``: positive ints, strictly increasing, each divisible by ``alignment`` and, when
+    ``uniform_decode`` is true, by ``q`` (every request contributes exactly q token rows).
+    Raises TypeError for a non-int (bool included) and ValueError naming the field otherwise.
+    """
+
+    def __init__(self, sizes, *, q: int = 1, alignment: int = 1, uniform_decode: bool = True,
+                 name: str = "explicit"):
+        self._q = _check_int("q", q)
+        self._alignment = _check_int("alignment", alignment)
+        sizes = list(sizes)
+        if not sizes:
+            raise ValueError("sizes: must be non-empty, got []")
+        for i, s in enumerate(sizes):
+            _check_int(f"sizes[{i}]", s)
+            if i and s <= sizes[i - 1]:
+                raise ValueError(f"sizes[{i}]: must be strictly increasing, got {sizes[i - 1]} "
+                                 f"then {s}")
+            if s % self._alignment:
+                raise ValueError(f"sizes[{i}]: {s} is not divisible by alignment={alignment}")
+            if uniform_decode and s % self._q:
+                raise ValueError(f"sizes[{i}]: {s} is not divisible by q={q} (uniform decode)")
+        self._sizes = tuple(int(s) for s in sizes)
+        self.uniform_decode = bool(uniform_decode)
+        self.name = name
+        arr = np.asarray(self._sizes, dtype=np.int64)
+        # _lut[n] = smallest size >= n, for n in 0..max (entry 0 unused).
+        self._lut = arr[np.searchsorted(arr, np.arange(arr[-1] + 1), side="left")].astype(np.int32)
+
+    sizes = property(lambda self: self._sizes, doc="Capture sizes, increasing (tuple of int).")
+    max_size = property(lambda self: self._sizes[-1], doc="Largest size; above it: no bucket.")
+    q = property(lambda self: self._q, doc="Token rows per request (1 + draft tokens).")
+    alignment = property(lambda self: self._alignment, doc="Every size is a multiple of this.")
+
+    def __len__(self) -> int:
+        return len(self._sizes)
+
+    def __iter__(self):
+        return iter(self._sizes)
+
+    def __contains__(self, n) -> bool:
+        return n in self._sizes
+
+    def __repr__(self) -> str:
+        return (f"BucketTable(name={self.name!r}, n={len(self)}, max={self.max_size}, q={self.q}, "
+                f"alignment={self.alignment}, uniform_decode={self.uniform_decode})")
+
+    def padded_size(self, n: int) -> int | None:
+        """Smallest size >= n (token rows) in O(1), or None above ``max_size`` (run eagerly).
+        ValueError unless n is an int >= 1."""
+        if isinstance(n, (bool, np.bool_)) or not isinstance(n, numbers.Integral) or n < 1:
+            raise ValueError(f"n: expected an int >= 1, got {n!r}")
+        return int(self._lut[n]) if n <= self.max_size else None
+
+    def padded_sizes(self, ns) -> np.ndarray:
+        """Vectorized ``padded_size``: int64 array, -1 where there is no bucket.
+        ValueError for a non-integer array or any value < 1."""
+        ns = np.asarray(ns)
+        if ns.size and (not np.issubdtype(ns.dtype, np.integer) or ns.min() < 1):
+            raise ValueError("ns: expected integers >= 1")
+        out = np.full(ns.shape, -1, dtype=np.int64)
+        ok = ns <= self.max_size
+        out[ok] = self._lut[ns[ok]]
+        return out
+
+    def waste(self, n: int) -> float:
+        """Padding waste ``(B - n) / B`` for bucket B of n; ValueError above ``max_size``."""
+        b = self.padded_size(n)
+        if b is None:
+            raise ValueError(f"n: {n} is above the largest bucket {self.max_size} (no bucket)")
+        return (b - n) / b
+
+    def intervals(self) -> list[Interval]:
+        """One Interval per bucket B with previous bucket Bp (0 first): sizes Bp+1..B map to B.
+        The worst case is the smallest reachable size above Bp: Bp+1, or Bp+q in uniform decode
+        (sizes are then multiples of q); for q == 1 both are Bp+1."""
+        step = self.q if self.uniform_decode else 1
+        pairs = zip((0,) + self._sizes[:-1], self._sizes)
+        return [Interval(p + 1, b, b, p + step, (b - p - step) / b) for p, b in pairs]
+
+    def worst_case(self) -> Interval:
+        """The Interval with the largest worst-case waste (the first such one on ties)."""
+        return max(self.intervals(), key=lambda iv: iv.worst_waste)
+
+
+def vllm_policy(max_capture_size: int = 512, *, num_draft_tokens: int = 0,
+                spec_rounding: str = "filter") -> BucketTable:
+    """vLLM default ``cudagraph_capture_sizes`` (token rows), from vllm/config/vllm.py
+    (``VllmConfig._set_cudagraph_sizes``, documented in vllm/config/compilation.py):
+    ``[1, 2, 4] + range(8, 256, 8) + range(256, max + 1, 16)``, sizes <= max (51 at 512; vLLM's
+    own default max is ``min(2 * max_num_seqs, 512)``). With k draft tokens (q = 1 + k) uniform
+    decode needs multiples of q: ``spec_rounding="filter"`` keeps only those sizes;
+    ``"round_up"`` rounds each up to a multiple of q and drops those above max (falling back to
+    ``[q]``), as ``CompilationConfig.adjust_cudagraph_sizes_for_spec_decode`` does in recent
+    vLLM. ValueError if nothing is left."""
+    mx = _check_int("max_capture_size", max_capture_size)
+    q = 1 + _check_int("num_draft_tokens", num_draft_tokens, 0)
+    sizes = [s for s in [1, 2, 4, *range(8, 256, 8), *range(256, mx + 1, 16)] if s <= mx]
+    if spec_rounding == "filter":
+        sizes = [s for s in sizes if s % q == 0]
+    elif spec_rounding == "round_up":
+        sizes = sorted({r for s in sizes if (r := -(-s // q) * q) <= mx})
+        sizes = sizes or ([q] if q <= mx else [])
+    else:
+        raise ValueError(f"spec_rounding: expected 'filter' or 'round_up', got {spec_rounding!r}")
+    if not sizes:
+        raise ValueError(f"num_draft_tokens: no vLLM size <= {mx} is a multiple of q={q}")
+    return BucketTable(sizes, q=q, name="vllm")
+
+
+def deepinfer_policy(max_num_seqs: int = 256, *, nextn: int = 0, interval: int = 8) -> BucketTable:
+    """DeepInfer capture sizes (token rows), deepinfer/worker/cuda_graph_runner.py:
+    ``max = max_num_seqs * (1 + nextn)``, ``interval = min(interval, max)``; powers of two from 1
+    while < interval, then ``range(interval, max, interval)``, then ``max`` last (35 sizes for
+    256/nextn 0, 195 for 256/nextn 5 with max 1536). q = 1 + nextn; with nextn > 0 the sizes are
+    not multiples of q (dummy token rows pad the step), so ``uniform_decode=False``."""
+    seqs, nextn = _check_int("max_num_seqs", max_num_seqs), _check_int("nextn", nextn, 0)
+    mx = seqs * (1 + nextn)
+    step = min(_check_int("interval", interval), mx)
+    sizes = [1 << i for i in range(step.bit_length()) if (1 << i) < step]
+    sizes += list(range(step, mx, step)) + [mx]
+    return BucketTable(sizes, q=1 + nextn, uniform_decode=nextn == 0, name="deepinfer")
+
+
+def sglang_batch_sizes(max_bs: int = 256, *, num_draft_tokens: int = 0, attn_tp_size: int = 1,
+                       attn_cp_size: int = 1, max_running_requests: int | None = None
+                       ) -> tuple[list[int], int]:
+    """SGLang decode capture batch sizes (requests) and their alignment ``mul_base``.
+
+    Default list, python/sglang/srt/server_args.py (``_generate_cuda_graph_batch_sizes``):
+    no speculation ``[1, 2, 4, 8, 12] + range(16, 257, 8) + range(272, 512, 16) +
+    range(512, max_bs + 1, 32)``; speculation ``range(1, 9) + range(10, 33, 2) + range(40, 65, 4)
+    + range(72, 257, 8) + range(272, max_bs + 1, 16)``; both cut to <= max_bs, max_bs appended if
+    missing (as newer ``_generate_decode_cuda_graph_batch_sizes`` does; 36 sizes at 256, 52 at
+    512). SGLang picks ``cuda_graph_max_bs`` by GPU memory.
+    Filter, python/sglang/srt/model_executor/cuda_graph_runner.py (``get_batch_sizes_to_capture``,
+    now runner/base_cuda_graph_runner.py): ``mul_base = attn_tp_size`` (SGLang applies it only
+    when DP attention needs a gathered buffer; assumed so whenever attn_tp_size > 1), times
+    ``attn_cp_size`` unless already a multiple; the pool (max_running_requests) is rounded up to
+    mul_base and added as a size if the list exceeds it; kept: ``bs * width % mul_base == 0``
+    and ``bs <= pool``; width = 1 + num_draft_tokens (SGLang's num_tokens_per_bs, i.e.
+    speculative_num_draft_tokens, which counts the root token too). Two-batch overlap is not
+    modelled. ValueError if no size survives."""
+    mx, k = _check_int("max_bs", max_bs), _check_int("num_draft_tokens", num_draft_tokens, 0)
+    tp, cp = _check_int("attn_tp_size", attn_tp_size), _check_int("attn_cp_size", attn_cp_size)
+    if k == 0:
+        bs = [1, 2, 4, 8, 12] + [*range(16, 257, 8), *range(272, 512, 16), *range(512, mx + 1, 32)]
+    else:
+        bs = [*range(1, 9), *range(10, 33, 2), *range(40, 65, 4), *range(72, 257, 8),
+              *range(272, mx + 1, 16)]
+    bs = [b for b in bs if b <= mx] + [mx]
+    mul_base = tp if tp % cp == 0 else tp * cp
+    if max_running_requests is not None:
+        pool = -(-_check_int("max_running_requests", max_running_requests) // mul_base) * mul_base
+        bs = [b for b in bs if b <= pool] + ([pool] if max(bs) > pool else [])
+    bs = sorted({b for b in bs if b * (1 + k) % mul_base == 0})
+    if not bs:
+        raise ValueError(f"attn_tp_size/attn_cp_size: no batch size <= {mx} aligns to {mul_base}")
+    return bs, mul_base
+
+
+def sglang_policy(max_bs: int = 256, **kwargs) -> BucketTable:
+    """SGLang table in token rows: ``bs * q`` for each of ``sglang_batch_sizes(max_bs, **kwargs)``
+    (q = 1 + num_draft_tokens, alignment = mul_base). See ``sglang_batch_sizes``."""
+    bs, mul_base = sglang_batch_sizes(max_bs, **kwargs)
+    q = 1 + kwargs.get("num_draft_tokens", 0)
+    return BucketTable([b * q for b in bs], q=q, alignment=mul_base, name="sglang")
+
+
+def trtllm_policy(max_batch_size: int = 128, *, enable_padding: bool = True) -> BucketTable:
+    """TensorRT-LLM (PyTorch backend) CUDA-graph batch sizes, in requests (q = 1), from
+    tensorrt_llm/llmapi/llm_args.py (``CudaGraphConfig._generate_cuda_graph_batch_sizes``;
+    default max_batch_size 128). enable_padding: ``[1, 2, 4] + range(8, 129, 8)``, then +64 steps
+    while <= max (older releases added powers of two from 256 instead); without padding:
+    ``range(1, 32) + [32, 64, 128]`` plus powers of two 2**8 .. below 2**ceil(log2 max), and
+    graphs only serve exact sizes. Both: cut to <= max, max appended. TRT-LLM's own default is
+    enable_padding=False; zos defaults to True because padding is what a table models."""
+    mx = _check_int("max_batch_size", max_batch_size)
+    if enable_padding:
+        sizes = [1, 2, 4] + list(range(8, 129, 8))
+        while sizes[-1] + 64 <= mx:
+            sizes.append(sizes[-1] + 64)
+    else:
+        sizes = list(range(1, 32)) + [32, 64, 128] + [
+            2 ** i for i in range(8, math.ceil(math.log2(mx)))]
+    sizes = sorted(s for s in sizes if s <= mx)
+    if not sizes or sizes[-1] != mx:
+        sizes.append(mx)
+    return BucketTable(sizes, name="trtllm")
+
+
+def trtllm_graph_keys(max_batch_size: int = 128, max_draft_len: int = 0, *,
+                      enable_padding: bool = True, one_engine: bool = True,
+                      max_concurrency: int | None = None) -> list[tuple[int, int]]:
+    """TensorRT-LLM graph keys ``(batch_size, draft_len)``, tensorrt_llm/_torch/pyexecutor/
+    model_engine.py (``_get_graphs_to_capture``, static draft length): draft lengths are
+    ``[max_draft_len]`` plus ``0`` only when max_draft_len > 0, the speculation mode is two-model
+    (``one_engine=False``) and ``spec_config.max_concurrency`` is set (speculation can then be
+    switched off at run time). So the count is ``len(sizes) * 1`` or ``* 2``. Not modelled: the
+    dynamic ``draft_len_schedule`` path, tree decoding (keys use max_total_draft_tokens), and
+    extra key parts (short/long sequence for sparse attention, LoRA, in-graph sampling tier)."""
+    d = _check_int("max_draft_len", max_draft_len, 0)
+    lens = [d] + ([0] if d > 0 and not one_engine and max_concurrency is not None else [])
+    table = trtllm_policy(max_batch_size, enable_padding=enable_padding)
+    return [(b, x) for b in table for x in lens]
+
+
+_POLICIES = {"vllm": vllm_policy, "deepinfer": deepinfer_policy, "sglang": sglang_policy,
+             "trtllm": trtllm_policy, "explicit": BucketTable}
+
+
+def from_policy(name: str, **kwargs) -> BucketTable:
+    """Build the table of policy ``name`` ("vllm", "deepinfer", "sglang", "trtllm", or "explicit"
+    with ``sizes=[...]``), forwarding kwargs. ValueError for an unknown name."""
+    if name not in _POLICIES:
+        raise ValueError(f"name: unknown policy {name!r}; expected one of {sorted(_POLICIES)}")
+    return _POLICIES[name](**kwargs)

@@ -1,0 +1,93 @@
+"""zos's metadata backend: one small upload per step, metadata rebuilt on the device."""
+from __future__ import annotations
+
+import torch
+
+from zos.backend import MetadataBackend, StepPlan
+from zos.buffers import DecodeBuffers
+from zos.buckets import BucketTable
+from zos.kernels import launch_prep
+from zos.step import DecodeStep
+
+
+class DeviceMetadataBackend(MetadataBackend):
+    """Builds each step's metadata with the prep kernels, from device state.
+
+    Per step, on the host: ``StepPacker.pack`` (C++, no GIL) writes the staging
+    record into one of two pinned buffers, and one H2D copy of that record is
+    enqueued; its size is 8 + 2N + 5M + L int32 words (N rows, M rows with news,
+    L new block ids), independent of context length and block-table width for
+    carried rows. On the device: ``launch_prep`` (two kernels) rebuilds every
+    field in place. The two pinned buffers alternate, each fenced by an event
+    recorded after its copy, so the host never overwrites a record that an
+    enqueued copy has not read yet (ZOS.md, "Kernels inside the graph").
+
+    Args:
+        buffers, num_blocks, vocab_size, buckets: see :class:`MetadataBackend`.
+        capture_prep: on CUDA, capture the prep kernels once per bucket into a
+            CUDA graph at construction and replay it in ``build`` (the real row
+            count comes from the staged record, so one graph serves every N in
+            the bucket). A runner that captures prep together with the model
+            passes False and calls ``build`` inside its own capture.
+    """
+
+    name = "zos"
+
+    def __init__(self, buffers: DecodeBuffers, *, num_blocks: int, vocab_size: int,
+                 buckets: BucketTable | None = None, capture_prep: bool = False) -> None:
+        super().__init__(buffers, num_blocks=num_blocks, vocab_size=vocab_size, buckets=buckets)
+        cuda = buffers.device.type == "cuda"
+        words = buffers.staging.numel()
+        self._pinned = [torch.zeros(words, dtype=torch.int32, pin_memory=cuda) for _ in range(2)]
+        self._pinned_np = [p.numpy() for p in self._pinned]
+        self._fences = [torch.cuda.Event() if cuda else None for _ in range(2)]
+        self._turn = 0
+        self.last_upload_bytes = 0
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        if capture_prep and cuda and buckets is not None:
+            self._capture(buckets)
+
+    def stage(self, step: DecodeStep) -> StepPlan:
+        """Pack ``step`` and enqueue its one H2D copy into ``buffers.staging``.
+
+        Raises ValueError/TypeError (from the packer) before anything is
+        written to the device or to the packer's mirror of the previous step.
+        """
+        k = self._turn
+        if self._fences[k] is not None:
+            self._fences[k].synchronize()
+        words = self.packer.pack(step.req_ids, step.new_rows, step.new_tokens,
+                                 step.new_positions, step.new_block_indptr, step.new_block_ids,
+                                 step.append_rows, step.append_block_ids, self._pinned_np[k])
+        self.buffers.staging[:words].copy_(self._pinned[k][:words], non_blocking=True)
+        if self._fences[k] is not None:
+            self._fences[k].record()
+        self._turn = 1 - k
+        self.last_upload_bytes = 4 * words
+        return self.plan(step.num_reqs)
+
+    def build(self, plan: StepPlan) -> None:
+        """Rebuild rows [0, plan.padded_tokens) on the device (graph replay if captured)."""
+        graph = self._graphs.get(plan.padded_tokens)
+        if graph is not None:
+            graph.replay()
+        else:
+            launch_prep(self.buffers, plan.padded_tokens // self.buffers.q)
+
+    def _capture(self, buckets: BucketTable) -> None:
+        # Warm-up compiles the kernels; the staged record is all zeros (N = 0),
+        # so it only writes dummy rows, which is what the buffers hold already.
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for size in buckets.sizes:
+                launch_prep(self.buffers, size // self.buffers.q)
+        torch.cuda.current_stream().wait_stream(stream)
+        pool = None
+        for size in reversed(buckets.sizes):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                launch_prep(self.buffers, size // self.buffers.q)
+            pool = graph.pool()
+            self._graphs[size] = graph
+        torch.cuda.synchronize()

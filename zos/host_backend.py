@@ -1,0 +1,175 @@
+"""The host-built baseline: the same metadata built on the host and copied each step.
+
+This is how engines without device-side prep work (vLLM v1's InputBatch and
+BlockTable, SGLang's ForwardBatch): keep the rows on the host, apply the step's
+changes there, then copy every field of rows [0, B) to the device. We make it as
+strong as we can: the step is validated and remapped by the same C++ packer,
+the rows are rebuilt by numba-compiled loops into pinned arrays (a row that
+moves is gathered to scratch first, the others are updated in place), and the
+block table is uploaded compacted to the columns in use (B x C, not B x W).
+"""
+from __future__ import annotations
+
+import numba
+import numpy as np
+import torch
+
+from zos.backend import MetadataBackend, StepPlan
+from zos.buffers import PAD_SLOT_ID, DecodeBuffers
+from zos.buckets import BucketTable
+from zos.step import DecodeStep
+
+
+@numba.njit(cache=True, nogil=True)
+def _build_rows(rec, sampled, accepted, q, block_size, pad_token_id, seq_len_fill, padded_reqs,
+                input_ids, positions, slot_mapping, seq_lens, qsl, block_table, num_blocks,
+                scratch_pos, scratch_nb, scratch_bt, bt_compact):  # pragma: no cover - numba
+    """Apply one staging record (csrc/staging.h) to the host rows; returns C, the
+    block-table columns to upload, and writes rows [0, padded_reqs) x [0, C) of
+    the block table into ``bt_compact`` (row-major, stride C)."""
+    n = rec[0]
+    m = rec[3]
+    rec0 = 8 + 2 * n
+    blk0 = rec0 + 5 * m
+    for r in range(n):  # gather rows that move, before any row is overwritten
+        j = rec[8 + r]
+        if j >= 0 and j != r:
+            scratch_pos[r] = positions[j * q]
+            nb = num_blocks[j]
+            scratch_nb[r] = nb
+            scratch_bt[r, :nb] = block_table[j, :nb]
+    cols = 0
+    for r in range(padded_reqs):
+        old_nb = num_blocks[r]
+        if r < n:
+            src = rec[8 + r]
+            k = rec[8 + n + r]
+            if src >= 0:
+                token = sampled[src]
+                if src == r:
+                    pos0 = positions[r * q] + accepted[src]
+                    nb_src = old_nb
+                else:
+                    pos0 = scratch_pos[r] + accepted[src]
+                    nb_src = scratch_nb[r]
+                    block_table[r, :nb_src] = scratch_bt[r, :nb_src]
+            else:
+                token = rec[rec0 + 5 * k]
+                pos0 = rec[rec0 + 5 * k + 1]
+                nb_src = 0
+            nb_new = nb_src
+            if k >= 0:
+                col0 = rec[rec0 + 5 * k + 2]
+                cnt = rec[rec0 + 5 * k + 3]
+                off = blk0 + rec[rec0 + 5 * k + 4]
+                block_table[r, col0:col0 + cnt] = rec[off:off + cnt]
+                nb_new = col0 + cnt
+            block_table[r, nb_new:old_nb] = 0
+            num_blocks[r] = nb_new
+            for t in range(q):
+                p = pos0 + t
+                positions[r * q + t] = p
+                slot_mapping[r * q + t] = (np.int64(block_table[r, p // block_size]) * block_size
+                                           + p % block_size)
+            input_ids[r * q] = token
+            seq_lens[r] = pos0 + q
+        else:
+            block_table[r, :old_nb] = 0
+            num_blocks[r] = 0
+            nb_new = 0
+            for t in range(q):
+                input_ids[r * q + t] = pad_token_id
+                positions[r * q + t] = 0
+                slot_mapping[r * q + t] = -1
+            seq_lens[r] = seq_len_fill
+        qsl[r + 1] = (r + 1) * q
+        cols = max(cols, old_nb, nb_new)
+    qsl[0] = 0
+    for r in range(padded_reqs):
+        bt_compact[r * cols:(r + 1) * cols] = block_table[r, :cols]
+    return cols
+
+
+class HostMetadataBackend(MetadataBackend):
+    """Builds each step's metadata on the host and copies it to the same buffers.
+
+    Per step: pack (C++), read the previous step's sampled tokens back (one
+    synchronous D2H copy of P int32: a host-built batch cannot know its input
+    tokens otherwise), rebuild rows in numba, then seven H2D copies (input_ids,
+    positions, slot_mapping, seq_lens, query_start_loc, counts, the compacted
+    block table) and one device copy that scatters the block table into its
+    strided rows. ``build`` does nothing: the data is already on its way.
+
+    Args: see :class:`MetadataBackend`.
+    """
+
+    name = "host"
+
+    def __init__(self, buffers: DecodeBuffers, *, num_blocks: int, vocab_size: int,
+                 buckets: BucketTable | None = None) -> None:
+        super().__init__(buffers, num_blocks=num_blocks, vocab_size=vocab_size, buckets=buckets)
+        b = buffers
+        cuda = b.device.type == "cuda"
+        r, t, w = b.max_reqs, b.max_reqs * b.q, b.max_blocks_per_seq
+
+        def pinned(n, dtype=torch.int32, fill=0):
+            return torch.full((n,), fill, dtype=dtype, pin_memory=cuda)
+
+        self._h = dict(input_ids=pinned(t, fill=b.pad_token_id), positions=pinned(t),
+                       slot_mapping=pinned(t, torch.int64, PAD_SLOT_ID),
+                       seq_lens=pinned(r, fill=b.seq_len_fill),
+                       query_start_loc=pinned(r + 1), counts=pinned(2))
+        self._sampled = pinned(r)
+        self._accepted = np.ones(r, np.int32)
+        self._bt_compact = pinned(r * w)
+        self._bt_device = torch.zeros(r * w, dtype=torch.int32, device=b.device)
+        self._record = np.zeros(b.staging.numel(), np.int32)
+        self._block_table = np.zeros((r, w), np.int32)
+        self._num_blocks = np.zeros(r, np.int32)
+        self._scratch_pos = np.zeros(r, np.int32)
+        self._scratch_nb = np.zeros(r, np.int32)
+        self._scratch_bt = np.zeros((r, w), np.int32)
+        self._fence = torch.cuda.Event() if cuda else None
+        self._np = {k: v.numpy() for k, v in self._h.items()}
+        self._np.update(sampled=self._sampled.numpy(), bt_compact=self._bt_compact.numpy())
+        self.last_upload_bytes = 0
+
+    def stage(self, step: DecodeStep) -> StepPlan:
+        """Pack, rebuild on the host and enqueue the copies of rows [0, bucket)."""
+        b, h = self.buffers, self._h
+        if self._fence is not None:
+            self._fence.synchronize()  # the last step's copies have read the pinned arrays
+        prev = self.packer.prev_num_reqs
+        self.packer.pack(step.req_ids, step.new_rows, step.new_tokens, step.new_positions,
+                         step.new_block_indptr, step.new_block_ids, step.append_rows,
+                         step.append_block_ids, self._record)
+        plan = self.plan(step.num_reqs)
+        if prev:
+            self._sampled[:prev].copy_(b.sampled[:prev])  # synchronous read-back
+            if b.q > 1:
+                self._accepted[:prev] = b.accepted[:prev].cpu().numpy()
+        t, r = plan.padded_tokens, plan.padded_tokens // b.q
+        a = self._np
+        cols = _build_rows(self._record, a["sampled"], self._accepted, b.q, b.block_size,
+                           b.pad_token_id, b.seq_len_fill, r, a["input_ids"], a["positions"],
+                           a["slot_mapping"], a["seq_lens"], a["query_start_loc"],
+                           self._block_table, self._num_blocks, self._scratch_pos,
+                           self._scratch_nb, self._scratch_bt, a["bt_compact"])
+        h["counts"][0], h["counts"][1] = plan.num_reqs, plan.num_tokens
+        sizes = dict(input_ids=t, positions=t, slot_mapping=t, seq_lens=r,
+                     query_start_loc=r + 1, counts=2)
+        nbytes = 0
+        for name, size in sizes.items():
+            getattr(b, name)[:size].copy_(h[name][:size], non_blocking=True)
+            nbytes += size * h[name].element_size()
+        if cols:
+            self._bt_device[: r * cols].copy_(self._bt_compact[: r * cols], non_blocking=True)
+            b.block_table[:r, :cols].copy_(self._bt_device[: r * cols].view(r, cols))
+            nbytes += 4 * r * cols
+        if self._fence is not None:
+            self._fence.record()
+        self.last_upload_bytes = nbytes
+        return plan
+
+    def build(self, plan: StepPlan) -> None:
+        """Nothing to do on the device: ``stage`` already enqueued the copies."""
