@@ -69,6 +69,8 @@ class DeviceMetadataBackend(MetadataBackend):
     def build(self, plan: StepPlan) -> None:
         """Rebuild rows [0, plan.padded_tokens) on the device (graph replay if captured)."""
         graph = self._graphs.get(plan.padded_tokens)
+        if plan.padded_tokens == 0:  # an empty step: nothing to rebuild
+            return
         if graph is not None:
             graph.replay()
         else:

@@ -1,0 +1,154 @@
+"""Seeded generator of multi-step decode traces, with the truth kept per request.
+
+The truth is indexed by request id (never by row), so the expected metadata it
+gives is independent of the remap the backends compute: for each row, the input
+token is the last token sampled for its request, the position is the number of
+tokens already in its KV cache, and its blocks are the ones it was given.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from zos import DecodeStep
+
+
+@dataclass
+class Req:
+    rid: int
+    token: int
+    pos: int  # position of the next input token = tokens in the KV cache
+    blocks: list[int] = field(default_factory=list)
+
+
+class TraceGen:
+    """Generates steps with arrivals, finishes, preemption and resume, absence for
+    one step, swaps, 3-cycles, shuffles, condense, shrink within a bucket, growth
+    past the largest bucket and positions on block boundaries."""
+
+    def __init__(self, seed, *, max_reqs, block_size, max_blocks, num_blocks, vocab, big=False):
+        self.rng = np.random.default_rng(seed)
+        self.max_reqs, self.bs, self.w, self.vocab, self.big = max_reqs, block_size, max_blocks, vocab, big
+        self.free = [int(b) for b in self.rng.permutation(np.arange(1, num_blocks))]
+        self.rows: list[Req] = []  # the previous step's rows, in order
+        self.returning: list[Req] = []  # absent last step or preempted: come back with payload
+        self.next_id = 1000
+
+    def _alloc(self, n):
+        if len(self.free) < n:
+            return None
+        out, self.free = self.free[:n], self.free[n:]
+        return out
+
+    def _arrival(self):
+        pos = int(self.rng.choice([0, self.bs - 1, self.bs, 2 * self.bs, int(self.rng.integers(0, 3 * self.bs))]))
+        blocks = self._alloc(pos // self.bs + 1)
+        if blocks is None:
+            return None
+        self.next_id += int(self.rng.integers(1, 5))
+        return Req(self.next_id, int(self.rng.integers(0, self.vocab)), pos, blocks)
+
+    def next_step(self):
+        """Returns (DecodeStep, rows: list[Req]) for the next step."""
+        rng = self.rng
+        rows: list[Req | None] = list(self.rows)
+        new: set[int] = set()
+        back, self.returning = self.returning, []  # out last step: back with payload now
+        for i, r in enumerate(rows):  # finish, preempt, step out for one step
+            u = rng.random()
+            if r.pos + 1 >= self.w * self.bs or u < 0.08:  # finished
+                rows[i] = None
+                self.free += r.blocks
+            elif u < 0.11:  # preempted: blocks freed, resumes later with new ones
+                rows[i] = None
+                self.free += r.blocks
+                r.blocks = []
+                self.returning.append(r)
+            elif u < 0.14:  # absent for one step, blocks kept
+                rows[i] = None
+                self.returning.append(r)
+        incoming = []
+        for r in back:  # top up the blocks to cover the position (nothing if preempted)
+            more = self._alloc(r.pos // self.bs + 1 - len(r.blocks))
+            if more is None:
+                self.returning.append(r)
+                continue
+            r.blocks += more
+            incoming.append(r)
+        want = int(rng.integers(0, 4)) + (int(rng.integers(8, 20)) if self.big and rng.random() < 0.2 else 0)
+        for _ in range(want):
+            r = self._arrival()
+            if r is not None:
+                incoming.append(r)
+        holes = [i for i, r in enumerate(rows) if r is None]
+        for r in incoming:  # fill holes first, then append
+            if holes:
+                rows[holes.pop(0)] = r
+            else:
+                rows.append(r)
+            new.add(r.rid)
+        if rng.random() < 0.5:  # condense: move the last rows into the holes
+            while None in rows:
+                last = rows.pop()
+                if last is not None:
+                    rows[rows.index(None)] = last
+        rows = [r for r in rows if r is not None]
+        k = len(rows)
+        u = rng.random()
+        if k >= 2 and u < 0.2:
+            i, j = rng.choice(k, 2, replace=False)
+            rows[i], rows[j] = rows[j], rows[i]
+        elif k >= 3 and u < 0.35:
+            i, j, l = rng.choice(k, 3, replace=False)
+            rows[i], rows[j], rows[l] = rows[l], rows[i], rows[j]
+        elif u < 0.45:
+            rows = [rows[i] for i in rng.permutation(k)]
+        while len(rows) > self.max_reqs:  # over capacity: send the newest back
+            r = rows.pop()
+            new.discard(r.rid)
+            self.returning.insert(0, r)
+        appends = []
+        for i, r in enumerate(rows):  # carried rows crossing into a new block
+            if r.rid not in new and r.pos // self.bs >= len(r.blocks):
+                b = self._alloc(1)
+                if b is None:  # no block: preempt it instead
+                    self.free += r.blocks
+                    r.blocks = []
+                    self.returning.append(r)
+                    rows[i] = None
+                    continue
+                r.blocks.append(b[0])
+                appends.append((i, b[0]))
+        if None in rows:  # preempted rows above: drop them, earlier appends shift
+            keep = [i for i, r in enumerate(rows) if r is not None]
+            shift = {old: new_i for new_i, old in enumerate(keep)}
+            appends = [(shift[i], b) for i, b in appends]
+            rows = [rows[i] for i in keep]
+        payload = {i: (r.token, r.pos, r.blocks) for i, r in enumerate(rows) if r.rid in new}
+        self.rows = rows
+        return DecodeStep.build([r.rid for r in rows], payload, appends), rows
+
+    def sampled(self, rows):
+        """Sample a token for each row (what the model would do); returns int32 [N]."""
+        toks = self.rng.integers(0, self.vocab, size=len(rows)).astype(np.int32)
+        for r, t in zip(rows, toks):
+            r.token, r.pos = int(t), r.pos + 1
+        return toks
+
+
+def expected(rows, padded_reqs, *, block_size, max_blocks, pad_token_id=0, seq_len_fill=1):
+    """The metadata of rows [0, padded_reqs), straight from the per-request truth (q = 1)."""
+    n = len(rows)
+    ids = np.full(padded_reqs, pad_token_id, np.int32)
+    pos = np.zeros(padded_reqs, np.int32)
+    slots = np.full(padded_reqs, -1, np.int64)
+    seq = np.full(padded_reqs, seq_len_fill, np.int32)
+    table = np.zeros((padded_reqs, max_blocks), np.int32)
+    for i, r in enumerate(rows):
+        ids[i], pos[i], seq[i] = r.token, r.pos, r.pos + 1
+        table[i, : len(r.blocks)] = r.blocks
+        slots[i] = r.blocks[r.pos // block_size] * block_size + r.pos % block_size
+    return dict(input_ids=ids, positions=pos, slot_mapping=slots, seq_lens=seq,
+                query_start_loc=np.arange(padded_reqs + 1, dtype=np.int32), block_table=table,
+                counts=np.array([n, n], np.int32))
