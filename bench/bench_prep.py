@@ -1,0 +1,142 @@
+"""Prep benchmark: zos's device-side metadata against the host-built baseline.
+
+For each batch size N: a steady workload (bench/workload.py: block size 16,
+contexts up to 32k tokens, 5% of rows replaced per step, prompt lengths from the
+Azure 2023 trace) runs through three backends on the same GPU in the same run:
+``host`` (HostMetadataBackend: numba build into pinned memory + copies),
+``zos-eager`` (DeviceMetadataBackend, prep kernels launched per step) and
+``zos-graph`` (the same, prep kernels replayed from one CUDA graph per bucket).
+
+Measured per step: host microseconds from the schedule (a built DecodeStep) to
+work enqueued (``backend.prepare``; median and p90 of timed steps), GPU
+microseconds of the prep (kernels + memcpys + memsets, from torch.profiler) and
+host-to-device bytes and copies (torch.profiler memcpy events). Not measured:
+the scheduler's own work of building the DecodeStep, and any model forward.
+
+Usage: python bench/bench_prep.py [--sizes 1,8,64,256,512,1024] [--out bench/results]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from workload import SteadyWorkload  # noqa: E402
+
+from zos import BucketTable, DecodeBuffers, DeviceMetadataBackend, HostMetadataBackend  # noqa: E402
+from zos.buckets import vllm_policy  # noqa: E402
+from zos.profiling import profile_device  # noqa: E402
+
+VARIANTS = ("host", "zos-eager", "zos-graph")
+FIELDS = ("input_ids", "positions", "slot_mapping", "seq_lens", "query_start_loc",
+          "block_table", "counts")
+
+
+def make_backend(variant, wl, device, policy):
+    buckets = BucketTable([b for b in policy.sizes if b <= wl.n], name=policy.name)
+    bufs = DecodeBuffers(wl.n, wl.w, wl.bs, device=device)
+    kw = dict(num_blocks=wl.num_blocks, vocab_size=32000, buckets=buckets)
+    if variant == "host":
+        return HostMetadataBackend(bufs, **kw)
+    return DeviceMetadataBackend(bufs, capture_prep=variant == "zos-graph", **kw)
+
+
+def sync(device):
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def bench_one(variant, steps, wl, device, buckets, warmup, timed, profiled):
+    backend = make_backend(variant, wl, device, buckets)
+    for s in steps[: 1 + warmup]:
+        backend.prepare(s)
+    sync(device)
+    host_us, upload = [], []
+    for s in steps[1 + warmup : 1 + warmup + timed]:
+        t0 = time.perf_counter_ns()
+        backend.prepare(s)
+        host_us.append((time.perf_counter_ns() - t0) / 1e3)
+        upload.append(backend.last_upload_bytes)
+    sync(device)
+    rest = steps[1 + warmup + timed : 1 + warmup + timed + profiled]
+    row = dict(variant=variant, host_us_median=statistics.median(host_us),
+               host_us_p90=sorted(host_us)[int(0.9 * len(host_us))],
+               backend_upload_bytes_median=statistics.median(upload))
+    if device == "cuda":
+        act = profile_device(lambda: [backend.prepare(s) for s in rest])
+        row.update(gpu_us=act.gpu_us / len(rest), h2d_bytes=act.h2d_bytes / len(rest),
+                   h2d_copies=act.h2d_copies / len(rest), d2h_bytes=act.d2h_bytes / len(rest))
+    else:
+        for s in rest:
+            backend.prepare(s)
+    sync(device)
+    return row, backend
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sizes", default="1,8,64,256,512,1024")
+    ap.add_argument("--contexts", default="32768", help="max context lengths, comma-separated")
+    ap.add_argument("--warmup", type=int, default=30)
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--profiled", type=int, default=20)
+    ap.add_argument("--out", default=None, help="folder for the JSON (default: print only)")
+    args = ap.parse_args(argv)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    buckets = vllm_policy(1024)
+    rows = []
+    for ctx in [int(c) for c in args.contexts.split(",")]:
+        for n in [int(x) for x in args.sizes.split(",")]:
+            wl = SteadyWorkload(n, max_context=ctx, seed=n)
+            steps = [wl.first_step()] + [wl.next_step() for _ in range(
+                args.warmup + args.steps + args.profiled)]
+            backends = {}
+            for v in VARIANTS:
+                row, backends[v] = bench_one(v, steps, wl, device, buckets, args.warmup,
+                                             args.steps, args.profiled)
+                rows.append(dict(n=n, max_context=ctx, block_size=wl.bs, **row))
+            ref = backends["host"].metadata(backends["host"].plan(n))
+            for v in VARIANTS[1:]:
+                got = backends[v].metadata(backends[v].plan(n))
+                same = all(torch.equal(getattr(ref, f), getattr(got, f)) for f in FIELDS)
+                assert same, f"{v} differs from host at N={n}"
+            del backends
+    print_table(rows)
+    if args.out:
+        name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+        today = dt.date.today().isoformat()
+        meta = dict(gpu=name, date=today, torch=torch.__version__,
+                    triton=__import__("triton").__version__, replace_fraction=0.05,
+                    buckets="vllm_policy(1024)", steps=args.steps, warmup=args.warmup,
+                    profiled=args.profiled)
+        out = Path(args.out) / f"prep_{name.replace(' ', '_')}_{today}.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+        print(f"wrote {out}")
+
+
+def print_table(rows):
+    head = f"{'N':>5} {'ctx':>6} {'backend':<10} {'host us':>8} {'p90':>8} {'gpu us':>8} {'H2D B/step':>11} {'copies':>6} {'x host':>7}"
+    print(head)
+    base = {(r["n"], r["max_context"]): r["host_us_median"] for r in rows if r["variant"] == "host"}
+    for r in rows:
+        ratio = base[(r["n"], r["max_context"])] / r["host_us_median"]
+        h2d = r.get("h2d_bytes", r["backend_upload_bytes_median"])
+        print(f"{r['n']:>5} {r['max_context']:>6} {r['variant']:<10} {r['host_us_median']:>8.1f} "
+              f"{r['host_us_p90']:>8.1f} {r.get('gpu_us', float('nan')):>8.1f} {h2d:>11.0f} "
+              f"{r.get('h2d_copies', float('nan')):>6.1f} {ratio:>7.1f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""A steady decode workload for the prep benchmark.
+
+N rows run at all times. Each step every carried row advances one token (and
+takes a new block when it crosses a block boundary); ``replace`` of the rows
+finish and are replaced in place by arrivals whose prompt lengths are drawn
+from the Azure LLM inference trace 2023 (conversation). Carried rows start with
+contexts spread over [0, max_context): their length sets the host baseline's
+block-table width but must not change zos's upload.
+"""
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import numpy as np
+
+from zos import DecodeStep
+
+TRACE = Path(__file__).resolve().parents[1] / "zos" / "data" / "azure_llm_inference_trace_2023_conv.csv"
+
+
+def trace_prompt_lengths() -> np.ndarray:
+    with open(TRACE) as f:
+        return np.array([int(r["ContextTokens"]) for r in csv.DictReader(f)], np.int64)
+
+
+class SteadyWorkload:
+    def __init__(self, n, *, block_size=16, max_context=32768, replace=0.05, seed=0):
+        self.rng = np.random.default_rng(seed)
+        self.n, self.bs, self.max_ctx, self.replace = n, block_size, max_context, replace
+        self.w = max_context // block_size
+        self.prompts = trace_prompt_lengths()
+        self.num_arenas = 2 * n + 1  # each request owns an arena of w block ids
+        self.num_blocks = 1 + self.num_arenas * self.w
+        self.next_id = 0
+        self.pos = np.zeros(n, np.int64)
+        self.nblocks = np.zeros(n, np.int64)
+        self.base = np.zeros(n, np.int64)
+        self.ids = np.zeros(n, np.int64)
+
+    def _arrive(self, row, pos):
+        self.next_id += 1
+        self.ids[row] = self.next_id
+        self.base[row] = 1 + (self.next_id % self.num_arenas) * self.w
+        self.pos[row] = pos
+        self.nblocks[row] = pos // self.bs + 1
+        return (int(self.rng.integers(0, 32000)), int(pos),
+                range(int(self.base[row]), int(self.base[row] + self.nblocks[row])))
+
+    def first_step(self) -> DecodeStep:
+        """Every row new, with contexts spread over [0, max_context - 2048)."""
+        pos = self.rng.integers(0, self.max_ctx - 2048, self.n)
+        new = {r: self._arrive(r, int(pos[r])) for r in range(self.n)}
+        return DecodeStep.build(self.ids.copy(), new)
+
+    def next_step(self) -> DecodeStep:
+        """Advance every row one token; replace ``replace`` of them with arrivals."""
+        self.pos += 1
+        done = self.pos >= self.max_ctx - 1
+        k = int(round(self.replace * self.n))
+        if k:
+            done[self.rng.choice(self.n, k, replace=False)] = True
+        new = {}
+        for r in np.flatnonzero(done):
+            prompt = int(min(self.rng.choice(self.prompts), self.max_ctx - 2048))
+            new[int(r)] = self._arrive(int(r), prompt)
+        grow = np.flatnonzero(~done & (self.pos // self.bs >= self.nblocks))
+        appends = [(int(r), int(self.base[r] + self.nblocks[r])) for r in grow]
+        self.nblocks[grow] += 1
+        return DecodeStep.build(self.ids.copy(), new, appends)

@@ -1,0 +1,67 @@
+"""Copy and GPU-time accounting from ``torch.profiler`` traces (CUDA only)."""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+
+@dataclass(frozen=True)
+class DeviceActivity:
+    """Totals of the device activities recorded while a function ran.
+
+    Attributes:
+        h2d_bytes: bytes of host-to-device memcpys.
+        h2d_copies: number of host-to-device memcpys.
+        d2h_bytes: bytes of device-to-host memcpys.
+        gpu_us: summed durations (microseconds) of kernels, memcpys and memsets.
+    """
+
+    h2d_bytes: int
+    h2d_copies: int
+    d2h_bytes: int
+    gpu_us: float
+
+
+def profile_device(fn: Callable[[], None]) -> DeviceActivity:
+    """Run ``fn`` under ``torch.profiler`` (CPU + CUDA) and total its device activity.
+
+    Reads the Kineto trace: events of category ``gpu_memcpy`` carry their size in
+    ``args["bytes"]`` and their direction in the name ("Memcpy HtoD ...").
+    Kernels launched from a CUDA graph replay are included.
+
+    Raises:
+        RuntimeError: CUDA is not available (on the CPU there is no H2D copy to count).
+    """
+    if not torch.cuda.is_available():
+        raise RuntimeError("profile_device needs CUDA: on the CPU there are no H2D copies")
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        fn()
+        torch.cuda.synchronize()
+    fd, path = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f).get("traceEvents", [])
+    finally:
+        os.remove(path)
+    h2d = h2d_n = d2h = 0
+    gpu_us = 0.0
+    for ev in events:
+        cat = ev.get("cat", "")
+        if cat not in ("kernel", "gpu_memcpy", "gpu_memset"):
+            continue
+        gpu_us += float(ev.get("dur", 0.0))
+        if cat == "gpu_memcpy":
+            nbytes = int(ev.get("args", {}).get("bytes", 0))
+            if "HtoD" in ev.get("name", ""):
+                h2d, h2d_n = h2d + nbytes, h2d_n + 1
+            elif "DtoH" in ev.get("name", ""):
+                d2h += nbytes
+    return DeviceActivity(h2d, h2d_n, d2h, gpu_us)
