@@ -14,6 +14,12 @@ namespace py = pybind11;
 
 namespace {
 
+#if __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+constexpr char kNativeOrder = '<';
+#else
+constexpr char kNativeOrder = '>';
+#endif
+
 template <typename T>
 const char* dtype_name() {
   return sizeof(T) == 8 ? "int64" : "int32";
@@ -26,7 +32,12 @@ py::array checked(const py::handle& obj, const char* field, bool writeable = fal
     throw py::type_error(std::string(field) + " must be a numpy array (use tensor.numpy()), got " +
                          std::string(py::str(py::type::of(obj))));
   auto arr = py::reinterpret_borrow<py::array>(obj);
-  if (!arr.dtype().is(py::dtype::of<T>()))
+  // Compare kind, size and byte order, not dtype identity: an unpickled array
+  // has an equal dtype that is a different object.
+  const auto dt = arr.dtype();
+  const bool native = dt.byteorder() == '=' || dt.byteorder() == '|' ||
+                      dt.byteorder() == kNativeOrder;
+  if (dt.kind() != 'i' || dt.itemsize() != static_cast<py::ssize_t>(sizeof(T)) || !native)
     throw py::type_error(std::string(field) + " must have dtype " + dtype_name<T>() + ", got " +
                          std::string(py::str(arr.dtype())));
   if (arr.ndim() != 1)

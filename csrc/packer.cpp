@@ -17,7 +17,7 @@ std::string row_str(int64_t row, int64_t id) {
 
 }  // namespace
 
-StepPacker::StepPacker(const PackerConfig& cfg) : cfg_(cfg) {
+StepPacker::StepPacker(const PackerConfig& cfg) : cfg_(cfg), index_(cfg.max_reqs) {
   auto positive = [](int64_t v, const char* name) {
     if (v <= 0) fail(std::string(name) + " must be positive, got " + std::to_string(v));
   };
@@ -30,13 +30,63 @@ StepPacker::StepPacker(const PackerConfig& cfg) : cfg_(cfg) {
                                std::to_string(cfg.num_blocks));
   const size_t r = static_cast<size_t>(cfg.max_reqs);
   for (auto* v : {&remap_, &rec_of_row_, &app_count_, &app_start_, &prev_pos0_, &prev_nblocks_,
-                  &curr_pos0_, &curr_nblocks_})
+                  &curr_pos0_, &curr_nblocks_, &taken_by_})
     v->assign(r, 0);
   app_order_.reserve(r);
+  moved_.reserve(r);
   prev_ids_.reserve(r);
 }
 
-void StepPacker::reset() { prev_ids_.clear(); }
+void StepPacker::reset() {
+  prev_ids_.clear();
+  index_.clear();
+}
+
+// remap_[i] = row of the previous step holding curr[i], or -1. A row whose
+// request is where it was costs one comparison; only the others touch the
+// index. Duplicate ids in curr are caught: a previous row claimed twice, or a
+// new id seen twice. Writes only scratch (remap_, taken_by_, moved_, new_ids_).
+void StepPacker::remap(const StepInput& in) {
+  const int64_t n = in.n, p = prev_num_reqs();
+  const int64_t* curr = in.req_ids;
+  std::fill_n(taken_by_.begin(), p, 0);
+  moved_.clear();
+  for (int64_t i = 0; i < n; ++i) {
+    if (i < p && curr[i] == prev_ids_[i]) {
+      remap_[i] = static_cast<int32_t>(i);
+      taken_by_[i] = static_cast<int32_t>(i + 1);
+    } else {
+      moved_.push_back(static_cast<int32_t>(i));
+    }
+  }
+  new_ids_.reset(static_cast<int64_t>(moved_.size()));
+  for (int32_t i : moved_) {
+    const int32_t j = index_.find(curr[i]);
+    if (j >= 0) {
+      if (taken_by_[j])
+        fail("curr_req_ids: request id " + std::to_string(curr[i]) + " appears twice, at positions " +
+             std::to_string(std::min(taken_by_[j] - 1, i)) + " and " +
+             std::to_string(std::max(taken_by_[j] - 1, i)));
+      taken_by_[j] = i + 1;
+    } else {
+      const int32_t first = new_ids_.insert(curr[i], i);
+      if (first >= 0)
+        fail("curr_req_ids: request id " + std::to_string(curr[i]) +
+             " appears twice, at positions " + std::to_string(first) + " and " +
+             std::to_string(i));
+    }
+    remap_[i] = j;
+  }
+}
+
+// After a successful pack: the index now maps this step's ids to their rows.
+void StepPacker::commit_index(const StepInput& in) {
+  const int64_t p = prev_num_reqs();
+  for (int64_t j = 0; j < p; ++j)
+    if (!taken_by_[j]) index_.erase(prev_ids_[j]);
+  for (int32_t i : moved_) index_.assign(in.req_ids[i], i);
+  prev_ids_.assign(in.req_ids, in.req_ids + in.n);
+}
 
 void StepPacker::validate_new_rows(const StepInput& in) {
   const int64_t max_len = cfg_.max_blocks_per_seq * cfg_.block_size;
@@ -54,28 +104,27 @@ void StepPacker::validate_new_rows(const StepInput& in) {
       fail("new_rows: row " + std::to_string(row) + " appears twice, at positions " +
            std::to_string(rec_of_row_[row]) + " and " + std::to_string(k));
     rec_of_row_[row] = static_cast<int32_t>(k);
-    const std::string who = row_str(row, in.req_ids[row]);
+    auto who = [&] { return row_str(row, in.req_ids[row]); };  // built only on failure
     const int64_t tok = in.new_tokens[k], pos = in.new_positions[k];
     if (tok < 0 || tok >= cfg_.vocab_size)
-      fail("new_tokens: " + who + " has token " + std::to_string(tok) + " outside [0, " +
+      fail("new_tokens: " + who() + " has token " + std::to_string(tok) + " outside [0, " +
            std::to_string(cfg_.vocab_size) + ")");
     if (pos < 0 || pos + cfg_.q > max_len)
-      fail("new_positions: " + who + " has position " + std::to_string(pos) +
+      fail("new_positions: " + who() + " has position " + std::to_string(pos) +
            "; positions must lie in [0, max_blocks_per_seq * block_size - q] = [0, " +
            std::to_string(max_len - cfg_.q) + "]");
     const int64_t lo = in.new_block_indptr[k], hi = in.new_block_indptr[k + 1];
     if (hi < lo) fail("new_block_indptr must be non-decreasing, drops at " + std::to_string(k));
     if (hi - lo > cfg_.max_blocks_per_seq)
-      fail("new_block_ids: " + who + " has " + std::to_string(hi - lo) +
+      fail("new_block_ids: " + who() + " has " + std::to_string(hi - lo) +
            " blocks, more than max_blocks_per_seq = " + std::to_string(cfg_.max_blocks_per_seq));
-    const int64_t need = (pos + cfg_.q - 1) / cfg_.block_size + 1;
-    if (hi - lo < need)
-      fail("new_block_ids: " + who + " at position " + std::to_string(pos) + " needs " +
-           std::to_string(need) + " blocks, got " + std::to_string(hi - lo));
+    if (pos + cfg_.q > (hi - lo) * cfg_.block_size)
+      fail("new_block_ids: " + who() + " at position " + std::to_string(pos) + " needs " +
+           std::to_string((pos + cfg_.q - 1) / cfg_.block_size + 1) + " blocks, got " + std::to_string(hi - lo));
     for (int64_t e = lo; e < hi; ++e) {
       const int64_t b = in.new_block_ids[e];
       if (b < 1 || b >= cfg_.num_blocks)
-        fail("new_block_ids: " + who + " has block id " + std::to_string(b) + " outside [1, " +
+        fail("new_block_ids: " + who() + " has block id " + std::to_string(b) + " outside [1, " +
              std::to_string(cfg_.num_blocks) + ") (block 0 is the reserved null block)");
     }
   }
@@ -87,12 +136,12 @@ void StepPacker::validate_appends(const StepInput& in) {
     if (row < 0 || row >= in.n)
       fail("append_rows[" + std::to_string(e) + "] = " + std::to_string(row) +
            " is outside [0, " + std::to_string(in.n) + ")");
-    const std::string who = row_str(row, in.req_ids[row]);
+    auto who = [&] { return row_str(row, in.req_ids[row]); };  // built only on failure
     if (rec_of_row_[row] >= 0)
-      fail("append_rows: " + who + " is a new row; put the block in its new_block_ids");
+      fail("append_rows: " + who() + " is a new row; put the block in its new_block_ids");
     const int64_t b = in.append_block_ids[e];
     if (b < 1 || b >= cfg_.num_blocks)
-      fail("append_block_ids: " + who + " gets block id " + std::to_string(b) +
+      fail("append_block_ids: " + who() + " gets block id " + std::to_string(b) +
            " outside [1, " + std::to_string(cfg_.num_blocks) + ")");
     ++app_count_[row];
   }
@@ -105,7 +154,7 @@ int64_t StepPacker::pack(const StepInput& in, int32_t* out, int64_t capacity) {
     fail("req_ids: " + std::to_string(n) + " rows exceed max_reqs = " +
          std::to_string(cfg_.max_reqs));
   const int64_t p = prev_num_reqs();
-  remap_table_.compute(prev_ids_.data(), p, in.req_ids, n, remap_.data());
+  remap(in);
   std::fill_n(rec_of_row_.begin(), n, -1);
   std::fill_n(app_count_.begin(), n, 0);
   validate_new_rows(in);
@@ -135,7 +184,7 @@ int64_t StepPacker::pack(const StepInput& in, int32_t* out, int64_t capacity) {
       fail("req_ids: " + row_str(i, in.req_ids[i]) + " reaches position " +
            std::to_string(pos + cfg_.q - 1) + ", beyond max_blocks_per_seq * block_size = " +
            std::to_string(max_len));
-    if ((pos + cfg_.q - 1) / cfg_.block_size >= nb)
+    if (pos + cfg_.q > nb * cfg_.block_size)  // no division on the per-row path
       fail("append_rows: " + row_str(i, in.req_ids[i]) + " at position " +
            std::to_string(pos + cfg_.q - 1) + " needs block column " +
            std::to_string((pos + cfg_.q - 1) / cfg_.block_size) + " but holds " +
@@ -193,7 +242,7 @@ int64_t StepPacker::pack(const StepInput& in, int32_t* out, int64_t capacity) {
   }
   for (int64_t e = 0; e < in.a; ++e) blocks[app_start_[in.append_rows[e]]++] = in.append_block_ids[e];
 
-  prev_ids_.assign(in.req_ids, in.req_ids + n);
+  commit_index(in);
   std::swap(prev_pos0_, curr_pos0_);
   std::swap(prev_nblocks_, curr_nblocks_);
   return words;

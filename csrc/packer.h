@@ -48,12 +48,17 @@ class StepPacker {
   const PackerConfig& config() const { return cfg_; }
 
  private:
+  void remap(const StepInput& in);
+  void commit_index(const StepInput& in);
   void validate_new_rows(const StepInput& in);
   void validate_appends(const StepInput& in);
 
   PackerConfig cfg_;
-  RemapTable remap_table_;
+  RequestIndex index_;  // request id -> row of the previous step
+  RowIndex new_ids_;    // ids absent from the previous step, for duplicate checks
   std::vector<int32_t> remap_, rec_of_row_, app_count_, app_start_, app_order_;
+  std::vector<int32_t> taken_by_;  // per previous row: 1 + the row that holds it now, or 0
+  std::vector<int32_t> moved_;     // rows whose request is not where it was
   std::vector<int64_t> prev_ids_;
   std::vector<int32_t> prev_pos0_, prev_nblocks_, curr_pos0_, curr_nblocks_;
 };

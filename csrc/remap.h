@@ -25,6 +25,25 @@ class RowIndex {
   uint32_t stamp_ = 0;
 };
 
+// Persistent map request id -> row of the previous step, for the packer: a
+// step updates only the rows that changed (arrivals, departures, moves), so a
+// batch whose rows keep their places costs O(changed) hash work, not O(N).
+// Linear probing with backward-shift deletion; fixed capacity (no growth).
+class RequestIndex {
+ public:
+  explicit RequestIndex(int64_t max_keys);
+  int32_t find(int64_t key) const;  // row, or -1
+  void assign(int64_t key, int32_t row);  // insert or overwrite
+  void erase(int64_t key);  // no-op if absent
+  void clear();
+
+ private:
+  uint64_t home(int64_t key) const;
+  std::vector<int64_t> keys_;
+  std::vector<int32_t> rows_;  // -1: empty slot
+  uint64_t mask_;
+};
+
 // Computes remap[i] = j where curr[i] == prev[j], else -1, and returns the count
 // of -1 rows. Throws std::invalid_argument (ValueError in Python) naming the id
 // and both positions if an id repeats within prev or within curr; `out` is

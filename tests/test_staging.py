@@ -1,5 +1,6 @@
 """The staging record: Python mirror, C++ header and packer output agree."""
 import numpy as np
+import pytest
 
 from zos import StepPacker, _C, staging
 from zos.step import DecodeStep
@@ -44,3 +45,38 @@ def test_carried_rows_cost_two_words():
                                    for i in ids}), capacity=10**6)
     _, rec = pack(p, DecodeStep.build(ids[::-1]), capacity=10**6)
     assert len(rec) == staging.HEADER_WORDS + 2 * 64
+
+
+def test_packer_remap_agrees_with_compute_remap():
+    """The packer's incremental index gives compute_remap's answer on every step."""
+    from tracegen import TraceGen
+
+    from zos import compute_remap
+
+    gen = TraceGen(7, max_reqs=24, block_size=4, max_blocks=6, num_blocks=400, vocab=100, big=True)
+    p = StepPacker(max_reqs=24, q=1, block_size=4, max_blocks_per_seq=6, num_blocks=400,
+                   vocab_size=100)
+    prev = np.zeros(0, np.int64)
+    for _ in range(60):
+        step, rows = gen.next_step()
+        view, _ = pack(p, step, capacity=4096)
+        want = np.zeros(step.num_reqs, np.int32)
+        compute_remap(prev, step.req_ids, want)
+        carried = np.setdiff1d(np.arange(step.num_reqs), step.new_rows)
+        assert view.row_src[carried].tolist() == want[carried].tolist()
+        assert (view.row_src[step.new_rows] == -1).all()
+        gen.sampled(rows)
+        prev = step.req_ids
+
+
+def test_packer_duplicates():
+    p = StepPacker(max_reqs=8, q=1, block_size=4, max_blocks_per_seq=4, num_blocks=64, vocab_size=100)
+    pack(p, DecodeStep.build([1, 2], {0: (1, 0, [1]), 1: (1, 0, [2])}))
+    new = {2: (1, 0, [3]), 3: (1, 0, [4])}
+    for ids, where in [([1, 2, 9, 9], "9 appears twice, at positions 2 and 3"),
+                       ([2, 1, 5, 2], "2 appears twice, at positions 0 and 3"),
+                       ([1, 2, 5, 1], "1 appears twice, at positions 0 and 3")]:
+        with pytest.raises(ValueError, match=where):
+            pack(p, DecodeStep.build(ids, new))
+    view, _ = pack(p, DecodeStep.build([2, 1]))  # the index is intact after the errors
+    assert view.row_src.tolist() == [1, 0]

@@ -53,14 +53,22 @@ class MetadataBackend:
             raise ValueError(f"every bucket must be divisible by q = {buffers.q} (uniform decode)")
         self.buffers = buffers
         self.buckets = buckets
+        self._plans: dict[int, StepPlan] = {}
+        self._metadata: dict[tuple[int, int], DecodeMetadata] = {}
+        self.last_upload_bytes = 0  # bytes the last ``stage`` sent to the device
         self.packer = StepPacker(buffers.max_reqs, buffers.q, buffers.block_size,
                                  buffers.max_blocks_per_seq, num_blocks, vocab_size)
 
     def plan(self, num_reqs: int) -> StepPlan:
-        """Bucket choice for ``num_reqs`` request rows (ZOS.md: rounding is monotone)."""
-        t = num_reqs * self.buffers.q
-        b = self.buckets.padded_size(t) if self.buckets is not None and t > 0 else None
-        return StepPlan(num_reqs, t, b if b is not None else t, b is not None)
+        """Bucket choice for ``num_reqs`` request rows (ZOS.md: rounding is monotone).
+        Memoised: the per-step cost is one dict lookup."""
+        plan = self._plans.get(num_reqs)
+        if plan is None:
+            t = num_reqs * self.buffers.q
+            b = self.buckets.padded_size(t) if self.buckets is not None and t > 0 else None
+            plan = self._plans[num_reqs] = StepPlan(num_reqs, t, b if b is not None else t,
+                                                    b is not None)
+        return plan
 
     def stage(self, step: DecodeStep) -> StepPlan:
         raise NotImplementedError
@@ -75,7 +83,12 @@ class MetadataBackend:
         return self.metadata(plan)
 
     def metadata(self, plan: StepPlan) -> DecodeMetadata:
-        return self.buffers.views(plan.num_reqs, plan.padded_tokens)
+        """Views of the buffers for ``plan`` (memoised: views are made once per size)."""
+        key = (plan.num_reqs, plan.padded_tokens)
+        md = self._metadata.get(key)
+        if md is None:
+            md = self._metadata[key] = self.buffers.views(plan.num_reqs, plan.padded_tokens)
+        return md
 
     def reset(self) -> None:
         """Forget the previous step (every row of the next step must be new)."""

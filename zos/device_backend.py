@@ -9,6 +9,8 @@ from zos.buckets import BucketTable
 from zos.kernels import launch_prep
 from zos.step import DecodeStep
 
+_COPY_GRAIN = 16  # int32 words (64 bytes): the upload is rounded up to this
+
 
 class DeviceMetadataBackend(MetadataBackend):
     """Builds each step's metadata with the prep kernels, from device state.
@@ -42,7 +44,7 @@ class DeviceMetadataBackend(MetadataBackend):
         self._pinned_np = [p.numpy() for p in self._pinned]
         self._fences = [torch.cuda.Event() if cuda else None for _ in range(2)]
         self._turn = 0
-        self.last_upload_bytes = 0
+        self._copies: list[dict[int, tuple[torch.Tensor, torch.Tensor]]] = [{}, {}]
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         if capture_prep and cuda and buckets is not None:
             self._capture(buckets)
@@ -59,12 +61,22 @@ class DeviceMetadataBackend(MetadataBackend):
         words = self.packer.pack(step.req_ids, step.new_rows, step.new_tokens,
                                  step.new_positions, step.new_block_indptr, step.new_block_ids,
                                  step.append_rows, step.append_block_ids, self._pinned_np[k])
-        self.buffers.staging[:words].copy_(self._pinned[k][:words], non_blocking=True)
+        dst, src = self._copy_views(k, words)
+        dst.copy_(src, non_blocking=True)
         if self._fences[k] is not None:
             self._fences[k].record()
         self._turn = 1 - k
-        self.last_upload_bytes = 4 * words
+        self.last_upload_bytes = 4 * dst.numel()
         return self.plan(step.num_reqs)
+
+    def _copy_views(self, k: int, words: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(device, pinned) prefixes holding ``words``, rounded up to _COPY_GRAIN words
+        so that the slices are made once per size, not once per step."""
+        size = min(-(-words // _COPY_GRAIN) * _COPY_GRAIN, self.buffers.staging.numel())
+        views = self._copies[k].get(size)
+        if views is None:
+            views = self._copies[k][size] = (self.buffers.staging[:size], self._pinned[k][:size])
+        return views
 
     def build(self, plan: StepPlan) -> None:
         """Rebuild rows [0, plan.padded_tokens) on the device (graph replay if captured)."""

@@ -1,0 +1,80 @@
+"""Where the host time of one zos step goes (H200 notes in bench/NOTES.md).
+
+Runs the steady workload of bench_prep.py through DeviceMetadataBackend with
+prep graphs and times ``stage`` (pack + one H2D copy + fence) and ``build``
+(graph replay) per step, then the torch calls that make them up, each alone.
+Prints medians in microseconds.
+"""
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from workload import SteadyWorkload  # noqa: E402
+
+from zos import BucketTable, DecodeBuffers, DeviceMetadataBackend, StepPacker  # noqa: E402
+
+
+def med_us(fn, reps=2000):
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter_ns()
+        fn()
+        ts.append(time.perf_counter_ns() - t0)
+    return statistics.median(ts) / 1e3
+
+
+def main():
+    for n in [int(x) for x in (sys.argv[1] if len(sys.argv) > 1 else "1,64,1024").split(",")]:
+        wl = SteadyWorkload(n, seed=n)
+        steps = [wl.first_step()] + [wl.next_step() for _ in range(600)]
+        bufs = DecodeBuffers(n, wl.w, wl.bs, device="cuda")
+        be = DeviceMetadataBackend(bufs, num_blocks=wl.num_blocks, vocab_size=32000,
+                                   buckets=BucketTable([n]), capture_prep=True)
+        be.prepare(steps[0])
+        t_stage, t_build, t_meta, t_pack = [], [], [], []
+        for s in steps[1:301]:
+            t0 = time.perf_counter_ns()
+            plan = be.stage(s)
+            t1 = time.perf_counter_ns()
+            be.build(plan)
+            t2 = time.perf_counter_ns()
+            be.metadata(plan)
+            t_stage.append(t1 - t0)
+            t_build.append(t2 - t1)
+            t_meta.append(time.perf_counter_ns() - t2)
+        packer = StepPacker(n, 1, wl.bs, wl.w, wl.num_blocks, 32000)
+        out = be._pinned_np[0].copy()
+        for s in steps[:301]:
+            t0 = time.perf_counter_ns()
+            packer.pack(s.req_ids, s.new_rows, s.new_tokens, s.new_positions, s.new_block_indptr,
+                        s.new_block_ids, s.append_rows, s.append_block_ids, out)
+            t_pack.append(time.perf_counter_ns() - t0)
+        torch.cuda.synchronize()
+        ev, stream = torch.cuda.Event(), torch.cuda.current_stream()
+        dst, src = bufs.staging[: 8 + 2 * n], be._pinned[0][: 8 + 2 * n]
+        rows = {
+            "stage (pack+copy+fence)": statistics.median(t_stage) / 1e3,
+            "build (graph replay)": statistics.median(t_build) / 1e3,
+            "metadata (memoised views)": statistics.median(t_meta) / 1e3,
+            "pack alone (C++)": statistics.median(t_pack[1:]) / 1e3,
+            "copy_ H2D alone": med_us(lambda: dst.copy_(src, non_blocking=True)),
+            "event.record()": med_us(ev.record),
+            "event.record(stream)": med_us(lambda: ev.record(stream)),
+            "current_stream()": med_us(torch.cuda.current_stream),
+            "event.synchronize()": med_us(ev.synchronize),
+            "graph replay alone": med_us(be._graphs[n].replay),
+        }
+        torch.cuda.synchronize()
+        print(f"N={n}")
+        for name, us in rows.items():
+            print(f"  {name:<28} {us:8.2f} us")
+
+
+if __name__ == "__main__":
+    main()

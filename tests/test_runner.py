@@ -1,0 +1,99 @@
+"""GraphRunner's eager path: samples only rows < N (dummy rows keep their sampled values),
+matches a full-recompute reference, and reports path, bucket and upload size."""
+import pytest
+import torch
+from conftest import DEVICE
+from test_engine import CFG, reference
+
+from zos import (BucketTable, DecodeBuffers, DecodeStep, DeviceMetadataBackend,
+                 HostMetadataBackend)
+from zos.models import allocate_kv_cache, random_llama
+from zos.runner import GraphRunner
+
+BS, W, NUM_BLOCKS, SENTINEL = 4, 4, 32, 55
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_llama(CFG, seed=1, device=DEVICE)
+
+
+def make_runner(model, kind, max_reqs=8, q=1):
+    bufs = DecodeBuffers(max_reqs, W, BS, q=q, device=DEVICE)
+    kw = dict(num_blocks=NUM_BLOCKS, vocab_size=CFG.vocab_size, buckets=BucketTable([2, 4], q=q))
+    backend = (DeviceMetadataBackend(bufs, **kw) if kind == "zos"
+               else HostMetadataBackend(bufs, **kw))
+    caches = allocate_kv_cache(CFG.num_hidden_layers, NUM_BLOCKS, BS, CFG.num_key_value_heads,
+                               CFG.head_dim, torch.float32, DEVICE)
+    return GraphRunner(model, caches, backend, use_cuda_graph=False)
+
+
+@pytest.mark.parametrize("kind", ["zos", "host"])
+def test_eager_decode_samples_real_rows_only(model, kind):
+    runner = make_runner(model, kind)
+    sampled = runner.buffers.sampled
+    sampled.fill_(SENTINEL)
+    assert runner.capture() == 0  # graphs off (and no CUDA here)
+    seqs = {10: [7], 11: [3], 12: [90]}  # request id -> tokens so far
+
+    def check(res, n, padded, bucket, rids):
+        assert (res.path, res.num_reqs, res.padded_tokens, res.bucket) == ("eager", n, padded,
+                                                                           bucket)
+        assert res.upload_bytes > 0 and res.prep_us > 0
+        got = sampled.tolist()
+        for row, rid in enumerate(rids):
+            assert got[row] == reference(model, seqs[rid], 1)[0], (row, rid)
+            seqs[rid].append(got[row])
+        return got
+
+    # Step 1: three new rows (token at position 0, one block each), bucket 4: row 3 is dummy.
+    res = runner.decode(DecodeStep.build([10, 11, 12], {i: (seqs[10 + i][0], 0, [1 + i])
+                                                        for i in range(3)}))
+    got = check(res, 3, 4, 4, [10, 11, 12])
+    assert got[3:] == [SENTINEL] * 5
+    # Step 2: request 12 left; two carried rows in bucket 2: row 2 keeps its old token.
+    res = runner.decode(DecodeStep.build([10, 11]))
+    after = check(res, 2, 2, 2, [10, 11])
+    assert after[2:] == got[2:]
+    # Step 3: five rows, above the largest bucket: unpadded, no bucket.
+    seqs.update({13: [5], 14: [6], 15: [8]})
+    res = runner.decode(DecodeStep.build([10, 11, 13, 14, 15],
+                                         {2: (5, 0, [4]), 3: (6, 0, [5]), 4: (8, 0, [6])}))
+    final = check(res, 5, 5, None, [10, 11, 13, 14, 15])
+    assert final[5:] == [SENTINEL] * 3
+    assert runner.buffers.accepted.tolist() == [1] * 8
+
+
+def test_prefill_and_errors(model):
+    runner = make_runner(model, "zos")
+    prompts = [[1, 2, 3, 4, 5], [9], [4, 4, 4, 4, 4, 4, 4, 4, 4]]
+    tokens, us, nbytes = runner.prefill([(p, [1 + 3 * i, 2 + 3 * i, 3 + 3 * i])
+                                         for i, p in enumerate(prompts)])
+    assert tokens == [reference(model, p, 1)[0] for p in prompts] and us > 0 and nbytes > 0
+    with pytest.raises(ValueError, match="blocks"):
+        runner.prefill([([1] * 5, [1])])
+    with pytest.raises(ValueError, match="empty"):
+        runner.decode(DecodeStep.build([]))
+    with pytest.raises(ValueError, match="q must be 1"):
+        make_runner(model, "zos", q=2)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("kind", ["zos", "host"])
+def test_graph_replay_matches_eager(model, kind):
+    """Same steps through captured graphs and eagerly: same sampled tokens, same dummy rows."""
+    graph, eager = make_runner(model, kind), make_runner(model, kind)
+    graph.use_cuda_graph = True
+    assert graph.capture() == 2 and graph.capture_seconds > 0
+    steps = [DecodeStep.build([10, 11, 12], {i: (7 + i, 0, [1 + i]) for i in range(3)}),
+             DecodeStep.build([10, 11]), DecodeStep.build([11, 10], appends=[]),
+             DecodeStep.build([10, 11, 13, 14, 15], {2: (5, 0, [4]), 3: (6, 0, [5]),
+                                                     4: (8, 0, [6])})]
+    for r in (graph, eager):
+        r.buffers.sampled.fill_(SENTINEL)
+    for step in steps:
+        rg, re_ = graph.decode(step), eager.decode(step)
+        assert rg.path == ("graph" if rg.bucket is not None else "eager") and re_.path == "eager"
+        assert graph.buffers.sampled.tolist() == eager.buffers.sampled.tolist()
+        for f in ("input_ids", "positions", "slot_mapping", "seq_lens", "block_table"):
+            assert torch.equal(getattr(graph.buffers, f), getattr(eager.buffers, f)), f

@@ -1,0 +1,310 @@
+"""A small continuous-batching engine: eager packed prefill, decode through GraphRunner.
+
+It stands in for "an existing decode runner": the metadata backend ("zos" or "host") is the
+only thing that differs between two runs with the same config. Scheduling is synchronous and
+deterministic (arrival times only order the queue), so both backends see the same steps.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Sequence
+
+import torch
+
+from zos.buckets import BucketTable, from_policy
+from zos.buffers import DecodeBuffers
+from zos.device_backend import DeviceMetadataBackend
+from zos.host_backend import HostMetadataBackend
+from zos.kv_blocks import BlockAllocator
+from zos.models import allocate_kv_cache
+from zos.runner import GraphRunner
+from zos.step import DecodeStep
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation request; ``output`` collects the generated token ids (eos kept).
+
+    Engine state (not constructor arguments): ``blocks`` (KV block ids held), ``num_computed``
+    (tokens in the KV cache), ``finish_reason`` (None, "length" or "eos"), ``num_preemptions``.
+    """
+
+    req_id: int
+    prompt: list[int]
+    max_new_tokens: int
+    arrival: float = 0.0
+    output: list[int] = field(default_factory=list)
+    blocks: list[int] = field(default_factory=list, init=False, repr=False)
+    num_computed: int = field(default=0, init=False, repr=False)
+    finish_reason: str | None = field(default=None, init=False)
+    num_preemptions: int = field(default=0, init=False)
+    admit_seq: int = field(default=-1, init=False, repr=False)  # admission order, for preemption
+
+
+@dataclass
+class EngineConfig:
+    """Engine sizes and switches. ``num_blocks`` counts the null block 0 and must hold one
+    request of ``max_model_len`` (prompt + max_new_tokens limit). ``max_num_seqs``: request rows.
+    ``max_prefill_tokens``: tokens per prefill (a longer first request still runs, alone).
+    ``eos_token_id``: stop token, kept in the output. ``backend``: "zos" (DeviceMetadataBackend)
+    or "host" (HostMetadataBackend). ``use_cuda_graph``: capture decode graphs (CUDA only).
+    ``bucket_policy``: "vllm", "deepinfer", "sglang", "trtllm" (max size max_num_seqs) or None;
+    ``buckets`` (sizes or a BucketTable, token rows) overrides it."""
+
+    block_size: int = 16
+    num_blocks: int = 1024
+    max_num_seqs: int = 64
+    max_model_len: int = 2048
+    max_prefill_tokens: int = 4096
+    eos_token_id: int | None = None
+    backend: str = "zos"
+    use_cuda_graph: bool = True
+    bucket_policy: str | None = "vllm"
+    buckets: BucketTable | Sequence[int] | None = None
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One model run of engine step ``step``: ``kind`` "prefill"/"decode", ``path``
+    "graph"/"eager", ``num_reqs``, ``padded`` (token rows run; prefill: packed tokens),
+    ``metadata_us`` (host us of metadata work), ``upload_bytes`` (H2D metadata bytes),
+    ``preemptions`` (engine total so far), ``seconds`` (host wall time of the run)."""
+
+    step: int
+    kind: str
+    path: str
+    num_reqs: int
+    padded: int
+    metadata_us: float
+    upload_bytes: int
+    preemptions: int
+    seconds: float
+
+
+@dataclass
+class RunResult:
+    """``outputs`` {req_id: tokens}, ``steps`` (StepRecords), ``totals`` (see Engine.run)."""
+
+    outputs: dict[int, list[int]]
+    steps: list[StepRecord]
+    totals: dict[str, float]
+
+
+_MAX_ARG = {"vllm": "max_capture_size", "deepinfer": "max_num_seqs", "sglang": "max_bs",
+            "trtllm": "max_batch_size"}
+
+
+def make_buckets(cfg: EngineConfig) -> BucketTable | None:
+    """The bucket table of ``cfg`` (token rows, largest max_num_seqs), or None. ValueError for
+    an unknown policy."""
+    if cfg.buckets is not None or cfg.bucket_policy is None:
+        b = cfg.buckets
+        return b if b is None or isinstance(b, BucketTable) else BucketTable(b)
+    if cfg.bucket_policy not in _MAX_ARG:
+        raise ValueError(f"bucket_policy: unknown {cfg.bucket_policy!r}; expected one of "
+                         f"{sorted(_MAX_ARG)} or None")
+    return from_policy(cfg.bucket_policy, **{_MAX_ARG[cfg.bucket_policy]: cfg.max_num_seqs})
+
+
+class Engine:
+    """Continuous batching over ``model`` (a zos LlamaForCausalLM) on ``device``: builds the
+    KV caches, DecodeBuffers (max_num_seqs rows), the metadata backend and a GraphRunner, and
+    captures decode graphs on CUDA with ``use_cuda_graph``. Rows stay where they are between
+    decode steps (see ``_place``); a carried row that cannot get a block preempts, by
+    recompute, the most recently admitted running request.
+
+    Raises ValueError: unknown backend/policy, or num_blocks too small for one request of
+    max_model_len.
+    """
+
+    def __init__(self, model, config: EngineConfig, device: torch.device | str = "cpu") -> None:
+        c, cfg, bs = model.config, config, config.block_size
+        self.model, self.config, self.device = model, config, torch.device(device)
+        width = -(-cfg.max_model_len // bs)
+        if cfg.num_blocks - 1 < width:
+            raise ValueError(f"num_blocks {cfg.num_blocks} cannot hold one request of "
+                             f"max_model_len {cfg.max_model_len} ({width} blocks + null block)")
+        if cfg.backend not in ("zos", "host"):
+            raise ValueError(f"backend: expected 'zos' or 'host', got {cfg.backend!r}")
+        self.kv_caches = allocate_kv_cache(c.num_hidden_layers, cfg.num_blocks, bs,
+                                           c.num_key_value_heads, c.head_dim,
+                                           model.embed_tokens.dtype, self.device)
+        self.buffers = DecodeBuffers(cfg.max_num_seqs, width, bs, device=self.device,
+                                     pad_token_id=0, seq_len_fill=1)
+        kw = dict(num_blocks=cfg.num_blocks, vocab_size=c.vocab_size, buckets=make_buckets(cfg))
+        self.backend = (DeviceMetadataBackend(self.buffers, capture_prep=False, **kw)
+                        if cfg.backend == "zos" else HostMetadataBackend(self.buffers, **kw))
+        self.runner = GraphRunner(model, self.kv_caches, self.backend,
+                                  use_cuda_graph=cfg.use_cuda_graph)
+        self.graphs_captured = self.runner.capture()
+        self.allocator = BlockAllocator(cfg.num_blocks)
+        self.waiting: deque[Request] = deque()
+        self.rows: list[Request | None] = []  # row layout of the last decode step; None = hole
+        self.records: list[StepRecord] = []
+        self.num_preemptions, self.num_steps, self._admitted = 0, 0, 0
+
+    def add_request(self, req: Request) -> None:
+        """Queue ``req`` (behind earlier ones). ValueError: empty prompt, token outside the
+        vocabulary, max_new_tokens < 1, or prompt + max_new_tokens > max_model_len."""
+        cfg, vocab = self.config, self.model.config.vocab_size
+        if not req.prompt or any(not 0 <= t < vocab for t in req.prompt):
+            raise ValueError(f"request {req.req_id}: prompt must be non-empty ids in [0, {vocab})")
+        if req.max_new_tokens < 1 or len(req.prompt) + req.max_new_tokens > cfg.max_model_len:
+            raise ValueError(f"request {req.req_id}: need max_new_tokens >= 1 and prompt + "
+                             f"max_new_tokens <= max_model_len {cfg.max_model_len}")
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        """Whether any request waits or runs."""
+        return bool(self.waiting) or any(r is not None for r in self.rows)
+
+    def step(self, progress: Callable[[StepRecord], None] | None = None) -> list[StepRecord]:
+        """One engine step: admit + one eager prefill, then one decode of every running row."""
+        out, self.num_steps = [], self.num_steps + 1
+        fresh = self._admit()
+        if fresh:
+            out.append(self._prefill(fresh))
+            fresh = [r for r in fresh if r.finish_reason is None]
+        rec = self._decode(fresh) if fresh or any(r is not None for r in self.rows) else None
+        out += [rec] if rec is not None else []
+        for rec in out:
+            self.records.append(rec)
+            if progress is not None:
+                progress(rec)
+        return out
+
+    def run(self, requests: Iterable[Request],
+            progress: Callable[[StepRecord], None] | None = None) -> RunResult:
+        """Queue ``requests`` (by arrival, ties in given order) and step until all finish.
+
+        Totals: requests, steps, prefill_steps, decode_steps, graph_decode_steps,
+        eager_decode_steps, tokens (generated), wall_s, tokens_per_s, graphs_captured,
+        preemptions, capture_s, metadata_us (sum over decode steps), upload_bytes (decode).
+        """
+        reqs = sorted(requests, key=lambda r: r.arrival)
+        for r in reqs:
+            self.add_request(r)
+        first, pre0, t0 = len(self.records), self.num_preemptions, time.perf_counter()
+        while self.has_unfinished():
+            self.step(progress)
+        wall, steps = time.perf_counter() - t0, self.records[first:]
+        dec, tokens = [s for s in steps if s.kind == "decode"], sum(len(r.output) for r in reqs)
+        totals = dict(requests=len(reqs), steps=len(steps), prefill_steps=len(steps) - len(dec),
+                      decode_steps=len(dec), graph_decode_steps=sum(s.path == "graph" for s in dec),
+                      eager_decode_steps=sum(s.path == "eager" for s in dec), tokens=tokens,
+                      wall_s=wall, tokens_per_s=tokens / wall if wall > 0 else 0.0,
+                      graphs_captured=self.graphs_captured, preemptions=self.num_preemptions - pre0,
+                      capture_s=self.runner.capture_seconds,
+                      metadata_us=sum(s.metadata_us for s in dec),
+                      upload_bytes=sum(s.upload_bytes for s in dec))
+        return RunResult({r.req_id: list(r.output) for r in reqs}, steps, totals)
+
+    # ---- internals -------------------------------------------------------------------------
+
+    def _record(self, kind, path, n, padded, us, nbytes, t0) -> StepRecord:
+        return StepRecord(self.num_steps, kind, path, n, padded, us, nbytes, self.num_preemptions,
+                          time.perf_counter() - t0)
+
+    def _admit(self) -> list[Request]:
+        """Waiting requests in order while a row, blocks for prompt + 1 and budget allow."""
+        cfg, out, used = self.config, [], 0
+        running = sum(r is not None for r in self.rows)
+        while self.waiting and running + len(out) < cfg.max_num_seqs:
+            req = self.waiting[0]
+            n = len(req.prompt) + len(req.output)  # a resumed request recomputes its output
+            if out and used + n > cfg.max_prefill_tokens:
+                break
+            blocks = self.allocator.allocate(-(-(n + 1) // cfg.block_size))
+            if blocks is None:
+                break
+            self.waiting.popleft()
+            req.blocks, req.admit_seq, self._admitted = blocks, self._admitted, self._admitted + 1
+            out.append(req)
+            used += n
+        return out
+
+    def _prefill(self, reqs: list[Request]) -> StepRecord:
+        """Prefill prompt + output (output non-empty when resumed); sample each next token."""
+        t0, seqs = time.perf_counter(), [(r.prompt + r.output, r.blocks) for r in reqs]
+        tokens, us, nbytes = self.runner.prefill(seqs)
+        for r, (toks, _), t in zip(reqs, seqs, tokens):
+            r.num_computed = len(toks)
+            self._append(r, t)
+        return self._record("prefill", "eager", len(reqs), sum(len(s) for s, _ in seqs), us,
+                            nbytes, t0)
+
+    def _append(self, req: Request, token: int) -> bool:
+        """Append a sampled token; finish (free blocks) on eos or length. True if finished."""
+        req.output.append(token)
+        if token == self.config.eos_token_id or len(req.output) >= req.max_new_tokens:
+            req.finish_reason = "eos" if token == self.config.eos_token_id else "length"
+            self.allocator.free(req.blocks)
+            req.blocks = []
+        return req.finish_reason is not None
+
+    def _preempt(self, req: Request) -> None:
+        """Recompute preemption (vLLM's default): give back every block, requeue at the front;
+        resumed later by a prefill of prompt + output."""
+        self.allocator.free(req.blocks)
+        req.blocks, req.num_computed, req.num_preemptions = [], 0, req.num_preemptions + 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def _decode(self, fresh: list[Request]) -> StepRecord | None:
+        """Blocks for carried rows (preempting if none is free), row layout, one decode, read
+        the sampled tokens of rows [0, N) back, finish on eos / length (the row becomes a hole)."""
+        t0, bs, rows = time.perf_counter(), self.config.block_size, self.rows
+        appended: dict[int, int] = {}  # req_id -> block appended this step
+        for i, req in enumerate(rows):  # carried rows whose next position opens a block
+            while req is not None and rows[i] is req and req.num_computed // bs >= len(req.blocks):
+                got = self.allocator.allocate(1)
+                if got is not None:
+                    req.blocks.append(got[0])
+                    appended[req.req_id] = got[0]
+                    break
+                alive = [r for r in rows if r is not None] + fresh
+                victim = max(alive, key=lambda r: r.admit_seq)  # most recently admitted
+                appended.pop(victim.req_id, None)
+                self._preempt(victim)
+                if victim in fresh:
+                    fresh.remove(victim)
+                else:
+                    rows[rows.index(victim)] = None
+        new = {id(r) for r in fresh}
+        _place(rows, fresh)
+        if not rows:  # everything was preempted (cannot happen while one request fits alone)
+            return None
+        step = DecodeStep.build(  # new rows: (token, position = tokens in KV, whole block row)
+            [r.req_id for r in rows],
+            {i: (r.output[-1], r.num_computed, r.blocks)
+             for i, r in enumerate(rows) if id(r) in new},
+            [(i, appended[r.req_id]) for i, r in enumerate(rows) if r.req_id in appended])
+        res = self.runner.decode(step)
+        sampled = self.buffers.sampled[:len(rows)].tolist()  # one D2H copy
+        for i, (req, tok) in enumerate(zip(rows, sampled)):
+            req.num_computed += 1
+            if self._append(req, tok):
+                rows[i] = None
+        return self._record("decode", res.path, res.num_reqs, res.padded_tokens, res.prep_us,
+                            res.upload_bytes, t0)
+
+
+def _place(rows: list, fresh: list) -> None:
+    """Stable row layout, in place: new requests fill holes (lowest first), remaining holes are
+    closed by moving the LAST rows into them (vLLM's InputBatch.condense), then the rest of the
+    new requests are appended. Rows that neither finished nor moved keep their index."""
+    holes = [i for i, r in enumerate(rows) if r is None]
+    for req in fresh:
+        if holes:
+            rows[holes.pop(0)] = req
+        else:
+            rows.append(req)
+    for h in holes:  # ascending; left only when every new request found a hole
+        while rows and rows[-1] is None:
+            rows.pop()
+        if h < len(rows):
+            rows[h] = rows.pop()
+    while rows and rows[-1] is None:
+        rows.pop()

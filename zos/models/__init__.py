@@ -1,0 +1,12 @@
+"""Paged Llama decoder used by zos: attention over a paged KV cache, the model, weight loading."""
+from .attention import (PAD_SLOT_ID, AttentionMetadata, allocate_kv_cache, decode_attention,
+                        prefill_attention, store_kv)
+from .llama import LlamaConfig, LlamaForCausalLM
+from .weights import (from_hf_model, load_smollm2, load_smollm2_hf, random_llama,
+                      smollm2_config, smollm2_gguf_path)
+
+__all__ = [
+    "PAD_SLOT_ID", "AttentionMetadata", "allocate_kv_cache", "decode_attention",
+    "prefill_attention", "store_kv", "LlamaConfig", "LlamaForCausalLM", "from_hf_model",
+    "load_smollm2", "load_smollm2_hf", "random_llama", "smollm2_config", "smollm2_gguf_path",
+]

@@ -1,0 +1,190 @@
+"""A paged Llama decoder in plain torch (RMSNorm, RoPE, GQA, SwiGLU), capturable in decode.
+
+Weights: ``qkv_proj`` is q, k, v stacked along the output dim; ``gate_up_proj`` is gate then up.
+The decode path (``is_prefill=False``) has static shapes and no host synchronisation.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .attention import AttentionMetadata, decode_attention, prefill_attention, store_kv
+
+
+@dataclass
+class LlamaConfig:
+    """Shape and numerics of a Llama model (a subset of transformers' ``LlamaConfig``)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    max_position_embeddings: int = 8192
+
+    @classmethod
+    def from_hf(cls, hf_config) -> "LlamaConfig":
+        """From a transformers ``LlamaConfig`` (4.x ``rope_theta`` or 5.x ``rope_parameters``).
+
+        Raises NotImplementedError for RoPE scaling other than ``default`` and for attention/MLP
+        biases, which this model does not implement.
+        """
+        rope = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling",
+                                                                      None) or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise NotImplementedError(f"LlamaConfig.from_hf: rope_type {rope_type!r}")
+        if getattr(hf_config, "attention_bias", False) or getattr(hf_config, "mlp_bias", False):
+            raise NotImplementedError("LlamaConfig.from_hf: attention/MLP biases")
+        theta = rope.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+        heads = hf_config.num_attention_heads
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+        eos = hf_config.eos_token_id
+        return cls(
+            vocab_size=hf_config.vocab_size, hidden_size=hf_config.hidden_size,
+            intermediate_size=hf_config.intermediate_size,
+            num_hidden_layers=hf_config.num_hidden_layers, num_attention_heads=heads,
+            num_key_value_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
+            head_dim=head_dim, rms_norm_eps=float(hf_config.rms_norm_eps),
+            rope_theta=float(theta), tie_word_embeddings=bool(hf_config.tie_word_embeddings),
+            bos_token_id=hf_config.bos_token_id,
+            eos_token_id=eos[0] if isinstance(eos, (list, tuple)) else eos,
+            max_position_embeddings=int(getattr(hf_config, "max_position_embeddings", 8192)),
+        )
+
+
+class RMSNorm(nn.Module):
+    """``weight * x / sqrt(mean(x^2) + eps)``, statistics in float32 (as transformers)."""
+
+    def __init__(self, size: int, eps: float, dtype=None, device=None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size, dtype=dtype, device=device))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x ``[T, size]`` -> ``[T, size]`` of x's dtype."""
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def _linear(n_out: int, n_in: int, dtype, device) -> nn.Parameter:
+    return nn.Parameter(torch.empty(n_out, n_in, dtype=dtype, device=device))
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE: x ``[T, H, D]``, cos/sin ``[T, 1, D]``."""
+    half = x.shape[-1] // 2
+    rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rot * sin
+
+
+class LlamaLayer(nn.Module):
+    """One decoder layer: pre-norm GQA attention over the paged cache, pre-norm SwiGLU MLP."""
+
+    def __init__(self, c: LlamaConfig, dtype, device):
+        super().__init__()
+        self.c = c
+        qkv_out = (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
+        self.qkv_proj = _linear(qkv_out, c.hidden_size, dtype, device)
+        self.o_proj = _linear(c.hidden_size, c.num_attention_heads * c.head_dim, dtype, device)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
+        self.gate_up_proj = _linear(2 * c.intermediate_size, c.hidden_size, dtype, device)
+        self.down_proj = _linear(c.hidden_size, c.intermediate_size, dtype, device)
+
+    def forward(self, x, cos, sin, kv_cache, meta, is_prefill: bool):
+        """x ``[T, hidden]`` -> ``[T, hidden]``; writes this step's K/V into ``kv_cache``."""
+        c = self.c
+        t = x.shape[0]
+        hq, hkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        qkv = F.linear(self.input_layernorm(x), self.qkv_proj)
+        q = _rope(qkv[:, :hq * hd].view(t, hq, hd), cos, sin)
+        k = _rope(qkv[:, hq * hd:(hq + hkv) * hd].view(t, hkv, hd), cos, sin)
+        v = qkv[:, (hq + hkv) * hd:].view(t, hkv, hd)
+        store_kv(k, v, kv_cache, meta.slot_mapping)
+        attn = prefill_attention if is_prefill else decode_attention
+        o = attn(q, kv_cache, meta, hd ** -0.5)
+        x = x + F.linear(o.reshape(t, hq * hd), self.o_proj)
+        gate, up = F.linear(self.post_attention_layernorm(x), self.gate_up_proj).chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate) * up, self.down_proj)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Paged Llama causal LM.
+
+    Parameters are allocated uninitialised (fill them with ``load_state_dict`` or
+    :func:`zos.models.weights.random_llama`). Buffers ``rope_cos`` / ``rope_sin`` float32
+    ``[max_position_embeddings, head_dim]`` are precomputed at init.
+    """
+
+    def __init__(self, config: LlamaConfig, dtype: torch.dtype = torch.float32, device=None):
+        super().__init__()
+        c = self.config = config
+        if c.num_attention_heads % c.num_key_value_heads or c.head_dim % 2:
+            raise ValueError("LlamaForCausalLM: num_attention_heads must be a multiple of "
+                             "num_key_value_heads and head_dim even")
+        self.embed_tokens = nn.Parameter(torch.empty(c.vocab_size, c.hidden_size, dtype=dtype,
+                                                     device=device))
+        self.layers = nn.ModuleList(LlamaLayer(c, dtype, device)
+                                    for _ in range(c.num_hidden_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
+        self.lm_head = (None if c.tie_word_embeddings
+                        else _linear(c.vocab_size, c.hidden_size, dtype, device))
+        inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.int64,
+                                                         device=device).float() / c.head_dim))
+        pos = torch.arange(c.max_position_embeddings, device=device).float()
+        freqs = pos[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("rope_cos", emb.cos(), persistent=False)
+        self.register_buffer("rope_sin", emb.sin(), persistent=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[torch.Tensor], meta: AttentionMetadata,
+                is_prefill: bool) -> torch.Tensor:
+        """Run the decoder over T token rows.
+
+        Args:
+            input_ids: int32/int64 ``[T]`` token ids (dummy rows: any valid id).
+            positions: int32/int64 ``[T]`` positions in ``[0, max_position_embeddings)``.
+            kv_caches: one ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` cache per layer,
+                model dtype; this step's K/V are written in place at ``meta.slot_mapping``.
+            meta: :class:`AttentionMetadata` for this step.
+            is_prefill: True: eager :func:`prefill_attention` (needs the host lists); False:
+                capturable :func:`decode_attention` (uniform decode).
+
+        Returns:
+            Final-normed hidden states ``[T, hidden_size]`` in the model dtype.
+
+        Raises:
+            ValueError: wrong number of caches or mismatched row counts (plus the attention
+            launchers' errors).
+        """
+        if len(kv_caches) != len(self.layers):
+            raise ValueError(f"forward: kv_caches has {len(kv_caches)} layers, model "
+                             f"{len(self.layers)}")
+        if input_ids.dim() != 1 or positions.shape != input_ids.shape:
+            raise ValueError(f"forward: input_ids and positions must both be [T], got "
+                             f"{tuple(input_ids.shape)} and {tuple(positions.shape)}")
+        x = F.embedding(input_ids, self.embed_tokens)
+        dtype = x.dtype
+        cos = self.rope_cos.index_select(0, positions).to(dtype)[:, None, :]
+        sin = self.rope_sin.index_select(0, positions).to(dtype)[:, None, :]
+        for layer, cache in zip(self.layers, kv_caches):
+            x = layer(x, cos, sin, cache, meta, is_prefill)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden ``[T, hidden_size]`` (model dtype) -> float32 logits ``[T, vocab_size]``."""
+        w = self.embed_tokens if self.lm_head is None else self.lm_head
+        return F.linear(hidden, w).float()

@@ -1,0 +1,248 @@
+"""GraphRunner: one decode step = stage metadata, then a CUDA-graph replay (or an eager run).
+
+A captured graph holds, per bucket B (token rows): ``backend.build`` (the device backend's
+prep kernels; nothing for the host backend), the model forward on the buffers' prefix views
+of B token rows, ``compute_logits``, greedy argmax, and the write of the sampled tokens into
+``buffers.sampled`` for rows r < N, with N read from ``buffers.counts[0]`` on the device: dummy
+rows are never sampled, and no host value of N is frozen into the graph. A step with no graph
+(no bucket holds it, CPU, or graphs off) runs the same body eagerly.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from zos.backend import MetadataBackend, StepPlan
+from zos.models.attention import AttentionMetadata
+from zos.staging import HEADER_WORDS
+from zos.step import DecodeStep
+
+
+@dataclass(frozen=True)
+class DecodeResult:
+    """What one ``GraphRunner.decode`` did.
+
+    Attributes:
+        path: "graph" (a captured graph replayed) or "eager".
+        num_reqs: real request rows N.
+        padded_tokens: token rows the step ran with (the bucket, or N * q unbucketed).
+        bucket: the bucket (token rows), or None when no bucket holds N * q.
+        prep_us: host microseconds of metadata work: ``stage``, plus ``build`` when eager.
+        upload_bytes: bytes the backend uploaded host-to-device for this step.
+    """
+
+    path: str
+    num_reqs: int
+    padded_tokens: int
+    bucket: int | None
+    prep_us: float
+    upload_bytes: int
+
+
+class GraphRunner:
+    """Runs decode steps of ``model`` on ``backend``'s static buffers, through CUDA graphs.
+
+    Args:
+        model: a ``zos.models.LlamaForCausalLM`` (``forward(input_ids, positions, kv_caches,
+            meta, is_prefill)`` and ``compute_logits``).
+        kv_caches: the model's paged KV caches, one per layer.
+        backend: the metadata backend; owns ``buffers`` (DecodeBuffers) and ``buckets``
+            (BucketTable or None). A DeviceMetadataBackend must be built with
+            ``capture_prep=False``: its ``build`` is captured inside this runner's graphs.
+        use_cuda_graph: capture graphs in ``capture()`` (only on CUDA, with buckets).
+
+    Raises:
+        ValueError: ``buffers.q != 1`` (speculative decoding is not implemented here), or a
+            device backend that captured its own prep graphs.
+    """
+
+    def __init__(self, model, kv_caches: Sequence[torch.Tensor], backend: MetadataBackend, *,
+                 use_cuda_graph: bool) -> None:
+        self.model, self.kv_caches, self.backend = model, list(kv_caches), backend
+        self.buffers = b = backend.buffers
+        if b.q != 1:
+            raise ValueError(f"GraphRunner samples one token per row: q must be 1, got {b.q}")
+        if getattr(backend, "_graphs", None):
+            raise ValueError("the device backend must be built with capture_prep=False: its "
+                             "build is captured inside this runner's graphs")
+        self.use_cuda_graph = use_cuda_graph
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.capture_seconds = 0.0
+        self.graph_memory = {"allocated_bytes": 0, "reserved_bytes": 0}
+        self._rows = torch.arange(b.max_reqs, dtype=torch.int32, device=b.device)
+        self._nvtx = torch.cuda.is_available()
+        b.accepted.fill_(1)  # plain decode: every row accepts its one token
+
+    # ---- capture ---------------------------------------------------------------------------
+
+    def capture(self) -> int:
+        """Capture one graph per bucket, largest first, sharing one memory pool.
+
+        No-op (returns 0) unless ``use_cuda_graph``, the buffers are on CUDA and the backend
+        has buckets. Must run before the first decode step: warm-up and capture execute the
+        body, which re-applies the staged record, so the record is reset to N = 0 (every row
+        a dummy row: no KV write, no sampled write). Records ``capture_seconds`` and
+        ``graph_memory`` (bytes of torch.cuda.memory_allocated/reserved added).
+
+        Returns: the number of graphs captured.
+
+        Raises:
+            RuntimeError: a decode step already ran on these buffers.
+        """
+        b, buckets = self.buffers, self.backend.buckets
+        if not (self.use_cuda_graph and b.device.type == "cuda" and buckets is not None):
+            return 0
+        if self.backend.packer.prev_num_reqs or self.graphs:
+            raise RuntimeError("capture() must run before the first decode step")
+        b.staging[:HEADER_WORDS].zero_()
+        b.counts.zero_()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # torch.cuda.graph empties it too: a comparable baseline
+        alloc0, res0 = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+        t0 = time.perf_counter()
+        sizes = sorted(buckets.sizes, reverse=True)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up: Triton compiles, cuBLAS picks kernels
+            for s in sizes:
+                self._body(s)
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        pool = torch.cuda.graph_pool_handle()
+        for s in sizes:
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=pool):
+                self._body(s)
+            self.graphs[s] = g
+        torch.cuda.synchronize()
+        self.capture_seconds = time.perf_counter() - t0
+        self.graph_memory = {"allocated_bytes": torch.cuda.memory_allocated() - alloc0,
+                             "reserved_bytes": torch.cuda.memory_reserved() - res0}
+        return len(self.graphs)
+
+    @property
+    def num_graphs(self) -> int:
+        """Graphs captured (one per bucket), 0 before ``capture()`` or off CUDA."""
+        return len(self.graphs)
+
+    # ---- decode ----------------------------------------------------------------------------
+
+    def decode(self, step: DecodeStep) -> DecodeResult:
+        """Run one decode step; sampled tokens land in ``buffers.sampled[:N]`` (on the device).
+
+        Rows [N, padded) are dummy rows: their ``sampled`` entries keep their old values.
+
+        Raises:
+            ValueError: an empty step (N = 0), or the packer's validation errors.
+        """
+        if step.num_reqs == 0:
+            raise ValueError("decode: empty step (no request rows)")
+        self._push("zos.prep")
+        t0 = time.perf_counter()
+        plan = self.backend.stage(step)
+        graph = self.graphs.get(plan.padded_tokens) if plan.bucketed else None
+        if graph is None:
+            self.backend.build(plan)
+        prep_us = (time.perf_counter() - t0) * 1e6
+        self._pop()
+        if graph is not None:
+            self._push("zos.replay")
+            graph.replay()
+            self._pop()
+        else:
+            self._body(plan.padded_tokens, build=False, nvtx=True)
+        return DecodeResult("graph" if graph is not None else "eager", plan.num_reqs,
+                            plan.padded_tokens, plan.padded_tokens if plan.bucketed else None,
+                            prep_us, int(self.backend.last_upload_bytes))
+
+    def _body(self, padded: int, build: bool = True, nvtx: bool = False) -> None:
+        """Build (if asked), forward, sample for ``padded`` token rows; what a graph holds."""
+        b = self.buffers
+        if build:
+            self.backend.build(StepPlan(0, 0, padded, True))
+        md = b.views(0, padded)
+        meta = AttentionMetadata(slot_mapping=md.slot_mapping, seq_lens=md.seq_lens,
+                                 query_start_loc=md.query_start_loc, block_table=md.block_table)
+        if nvtx:
+            self._push("zos.forward")
+        with torch.no_grad():
+            hidden = self.model.forward(md.input_ids, md.positions, self.kv_caches, meta, False)
+            if nvtx:
+                self._pop()
+                self._push("zos.sample")
+            tokens = self.model.compute_logits(hidden).argmax(-1).to(torch.int32)
+            real = self._rows[:padded] < b.counts[0]  # N read on the device
+            b.sampled[:padded].copy_(torch.where(real, tokens, b.sampled[:padded]))
+        if nvtx:
+            self._pop()
+
+    # ---- prefill ---------------------------------------------------------------------------
+
+    def prefill(self, seqs: Sequence[tuple[Sequence[int], Sequence[int]]]
+                ) -> tuple[list[int], float, int]:
+        """One eager packed prefill from position 0; greedy next token of each sequence.
+
+        Args:
+            seqs: ``(tokens, block_ids)`` per sequence: token ids (positions 0..len-1, all
+                written into the KV cache through their slots) and the sequence's blocks
+                (at least ``ceil(len / block_size)``, ids in [1, num_blocks)).
+
+        Returns:
+            ``(tokens, prep_us, upload_bytes)``: the sampled next token per sequence (host
+            ints), host microseconds spent building the prefill inputs and metadata, and the
+            bytes of those host tensors (copied to the device unless it is the CPU).
+
+        Raises:
+            ValueError: no sequences, an empty sequence, or too few / too many blocks.
+        """
+        b = self.buffers
+        bs, w = b.block_size, b.max_blocks_per_seq
+        if not seqs:
+            raise ValueError("prefill: no sequences")
+        self._push("zos.prep")
+        t0 = time.perf_counter()
+        lens = np.array([len(t) for t, _ in seqs], np.int64)
+        table = np.zeros((len(seqs), w), np.int32)
+        for i, (toks, blocks) in enumerate(seqs):
+            if not toks or not -(-len(toks) // bs) <= len(blocks) <= w:
+                raise ValueError(f"prefill: sequence {i} has {len(toks)} tokens and "
+                                 f"{len(blocks)} blocks (block size {bs}, at most {w} blocks)")
+            table[i, :len(blocks)] = blocks
+        pos = np.concatenate([np.arange(n) for n in lens])
+        row = np.repeat(np.arange(len(seqs)), lens)
+        slots = table[row, pos // bs].astype(np.int64) * bs + pos % bs
+        dev = b.device
+        ids = torch.from_numpy(np.concatenate([np.asarray(t, np.int64) for t, _ in seqs])).to(dev)
+        qsl = np.zeros(len(seqs) + 1, np.int32)
+        qsl[1:] = np.cumsum(lens)
+        meta = AttentionMetadata(
+            slot_mapping=torch.from_numpy(slots).to(dev),
+            seq_lens=torch.from_numpy(lens.astype(np.int32)).to(dev),
+            query_start_loc=torch.from_numpy(qsl).to(dev),
+            block_table=torch.from_numpy(table).to(dev),
+            query_lens_host=lens.tolist(), seq_lens_host=lens.tolist())
+        last = torch.from_numpy(qsl[1:].astype(np.int64) - 1).to(dev)
+        positions = torch.from_numpy(pos.astype(np.int32)).to(dev)
+        prep_us = (time.perf_counter() - t0) * 1e6
+        nbytes = sum(t.numel() * t.element_size() for t in (
+            ids, positions, last, meta.slot_mapping, meta.seq_lens, meta.query_start_loc,
+            meta.block_table))
+        self._pop()
+        self._push("zos.prefill")
+        with torch.no_grad():
+            hidden = self.model.forward(ids, positions, self.kv_caches, meta, True)
+            out = self.model.compute_logits(hidden[last]).argmax(-1).tolist()
+        self._pop()
+        return out, prep_us, nbytes
+
+    def _push(self, name: str) -> None:
+        if self._nvtx:
+            torch.cuda.nvtx.range_push(name)
+
+    def _pop(self) -> None:
+        if self._nvtx:
+            torch.cuda.nvtx.range_pop()
