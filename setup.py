@@ -5,10 +5,11 @@ from setuptools import setup
 ext_modules = [
     Pybind11Extension(
         "zos._C",
-        ["csrc/bindings.cpp", "csrc/remap.cpp", "csrc/packer.cpp"],
+        ["csrc/bindings.cpp", "csrc/remap.cpp", "csrc/packer.cpp", "csrc/upload.cpp"],
         include_dirs=["csrc"],
         cxx_std=17,
         extra_compile_args=["-O3"],
+        libraries=["dl"],
     ),
 ]
 

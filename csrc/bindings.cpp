@@ -9,6 +9,7 @@
 #include "packer.h"
 #include "remap.h"
 #include "staging.h"
+#include "upload.h"
 
 namespace py = pybind11;
 
@@ -164,6 +165,29 @@ max_reqs rows, record larger than ``out``); TypeError on wrong dtypes.)doc")
            "Forget the previous step; every row of the next step must then be new.")
       .def_property_readonly("prev_num_reqs", &zos::StepPacker::prev_num_reqs,
                              "Request rows of the last packed step.");
+
+  py::class_<zos::PinnedUpload>(m, "PinnedUpload",
+                                R"doc(The step's one H2D copy, issued natively through the CUDA driver API.
+
+Two pinned host buffers alternate, each fenced by an event recorded after its
+copy (ZOS.md, "Kernels inside the graph"). The driver (libcuda.so.1) is loaded
+at first use, so the extension builds without a CUDA toolkit.
+
+Args:
+    dst: device address of the staging buffer (``tensor.data_ptr()``).
+    src0, src1: addresses of two pinned host buffers of ``capacity`` bytes.
+    capacity: bytes each buffer holds.
+
+Raises:
+    RuntimeError: the driver cannot be loaded or no CUDA context is current.)doc")
+      .def(py::init<uint64_t, uint64_t, uint64_t, int64_t>(), py::arg("dst"), py::arg("src0"),
+           py::arg("src1"), py::arg("capacity"))
+      .def("acquire", &zos::PinnedUpload::acquire, py::call_guard<py::gil_scoped_release>(),
+           "Wait until the next buffer's previous copy is done; returns its index (0 or 1).")
+      .def("submit", &zos::PinnedUpload::submit, py::arg("k"), py::arg("nbytes"),
+           py::arg("stream"), py::call_guard<py::gil_scoped_release>(),
+           "Enqueue the copy of nbytes of buffer k on stream (a raw CUstream) and fence it.\n\n"
+           "Raises ValueError if k is not the acquired buffer or nbytes exceeds capacity.");
 
   m.attr("HEADER_WORDS") = zos::staging::kHeaderWords;
   m.attr("RECORD_WORDS") = zos::staging::kRecordWords;

@@ -3,13 +3,12 @@ from __future__ import annotations
 
 import torch
 
+from zos._C import PinnedUpload
 from zos.backend import MetadataBackend, StepPlan
 from zos.buffers import DecodeBuffers
 from zos.buckets import BucketTable
 from zos.kernels import launch_prep
 from zos.step import DecodeStep
-
-_COPY_GRAIN = 16  # int32 words (64 bytes): the upload is rounded up to this
 
 
 class DeviceMetadataBackend(MetadataBackend):
@@ -17,8 +16,9 @@ class DeviceMetadataBackend(MetadataBackend):
 
     Per step, on the host: ``StepPacker.pack`` (C++, no GIL) writes the staging
     record into one of two pinned buffers, and one H2D copy of that record is
-    enqueued; its size is 8 + 2N + 5M + L int32 words (N rows, M rows with news,
-    L new block ids), independent of context length and block-table width for
+    enqueued natively (``PinnedUpload``: CUDA driver API, no torch dispatch);
+    its size is 8 + 2N + 5M + L int32 words (N rows, M rows with news, L new
+    block ids), independent of context length and block-table width for
     carried rows. On the device: ``launch_prep`` (two kernels) rebuilds every
     field in place. The two pinned buffers alternate, each fenced by an event
     recorded after its copy, so the host never overwrites a record that an
@@ -42,9 +42,13 @@ class DeviceMetadataBackend(MetadataBackend):
         words = buffers.staging.numel()
         self._pinned = [torch.zeros(words, dtype=torch.int32, pin_memory=cuda) for _ in range(2)]
         self._pinned_np = [p.numpy() for p in self._pinned]
-        self._fences = [torch.cuda.Event() if cuda else None for _ in range(2)]
-        self._turn = 0
-        self._copies: list[dict[int, tuple[torch.Tensor, torch.Tensor]]] = [{}, {}]
+        self._upload = None
+        if cuda:
+            self._device_index = buffers.device.index
+            if self._device_index is None:
+                self._device_index = torch.cuda.current_device()
+            self._upload = PinnedUpload(buffers.staging.data_ptr(), self._pinned[0].data_ptr(),
+                                        self._pinned[1].data_ptr(), 4 * words)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         if capture_prep and cuda and buckets is not None:
             self._capture(buckets)
@@ -52,31 +56,21 @@ class DeviceMetadataBackend(MetadataBackend):
     def stage(self, step: DecodeStep) -> StepPlan:
         """Pack ``step`` and enqueue its one H2D copy into ``buffers.staging``.
 
-        Raises ValueError/TypeError (from the packer) before anything is
-        written to the device or to the packer's mirror of the previous step.
+        On CUDA the copy is issued natively (:class:`zos._C.PinnedUpload`) on the
+        current stream. Raises ValueError/TypeError (from the packer) before
+        anything is written to the device or to the packer's mirror.
         """
-        k = self._turn
-        if self._fences[k] is not None:
-            self._fences[k].synchronize()
+        up = self._upload
+        k = up.acquire() if up is not None else 0
         words = self.packer.pack(step.req_ids, step.new_rows, step.new_tokens,
                                  step.new_positions, step.new_block_indptr, step.new_block_ids,
                                  step.append_rows, step.append_block_ids, self._pinned_np[k])
-        dst, src = self._copy_views(k, words)
-        dst.copy_(src, non_blocking=True)
-        if self._fences[k] is not None:
-            self._fences[k].record()
-        self._turn = 1 - k
-        self.last_upload_bytes = 4 * dst.numel()
+        if up is not None:
+            up.submit(k, 4 * words, torch._C._cuda_getCurrentRawStream(self._device_index))
+        else:
+            self.buffers.staging[:words].copy_(self._pinned[0][:words])
+        self.last_upload_bytes = 4 * words
         return self.plan(step.num_reqs)
-
-    def _copy_views(self, k: int, words: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(device, pinned) prefixes holding ``words``, rounded up to _COPY_GRAIN words
-        so that the slices are made once per size, not once per step."""
-        size = min(-(-words // _COPY_GRAIN) * _COPY_GRAIN, self.buffers.staging.numel())
-        views = self._copies[k].get(size)
-        if views is None:
-            views = self._copies[k][size] = (self.buffers.staging[:size], self._pinned[k][:size])
-        return views
 
     def build(self, plan: StepPlan) -> None:
         """Rebuild rows [0, plan.padded_tokens) on the device (graph replay if captured)."""
