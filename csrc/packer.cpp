@@ -1,6 +1,7 @@
 #include "packer.h"
 
 #include <algorithm>
+#include <climits>
 #include <stdexcept>
 #include <string>
 
@@ -121,12 +122,22 @@ void StepPacker::validate_new_rows(const StepInput& in) {
     if (pos + cfg_.q > (hi - lo) * cfg_.block_size)
       fail("new_block_ids: " + who() + " at position " + std::to_string(pos) + " needs " +
            std::to_string((pos + cfg_.q - 1) / cfg_.block_size + 1) + " blocks, got " + std::to_string(hi - lo));
-    for (int64_t e = lo; e < hi; ++e) {
-      const int64_t b = in.new_block_ids[e];
-      if (b < 1 || b >= cfg_.num_blocks)
-        fail("new_block_ids: " + who() + " has block id " + std::to_string(b) + " outside [1, " +
-             std::to_string(cfg_.num_blocks) + ") (block 0 is the reserved null block)");
-    }
+  }
+  // Block ids: one branch-free min/max pass; the offender is looked up only on failure.
+  int32_t lo_id = INT32_MAX, hi_id = INT32_MIN;
+  const int32_t* __restrict ids = in.new_block_ids;
+  for (int64_t e = 0; e < in.l; ++e) {
+    lo_id = std::min(lo_id, ids[e]);
+    hi_id = std::max(hi_id, ids[e]);
+  }
+  if (in.l > 0 && (lo_id < 1 || hi_id >= cfg_.num_blocks)) {
+    int64_t e = 0;
+    while (ids[e] >= 1 && ids[e] < cfg_.num_blocks) ++e;
+    const int64_t k = std::upper_bound(in.new_block_indptr, in.new_block_indptr + in.m + 1, e) -
+                      in.new_block_indptr - 1;
+    fail("new_block_ids: " + row_str(in.new_rows[k], in.req_ids[in.new_rows[k]]) +
+         " has block id " + std::to_string(ids[e]) + " outside [1, " +
+         std::to_string(cfg_.num_blocks) + ") (block 0 is the reserved null block)");
   }
 }
 
@@ -162,37 +173,45 @@ int64_t StepPacker::pack(const StepInput& in, int32_t* out, int64_t capacity) {
 
   // Rows and their records: new rows take records [0, m), appended rows follow.
   const int64_t max_len = cfg_.max_blocks_per_seq * cfg_.block_size;
+  const int64_t q = cfg_.q, bs = cfg_.block_size, w = cfg_.max_blocks_per_seq;
+  int32_t* __restrict rec = rec_of_row_.data();
+  const int32_t* __restrict rm = remap_.data();
+  const int32_t* __restrict apps = app_count_.data();
+  const int32_t* __restrict prev_pos = prev_pos0_.data();
+  const int32_t* __restrict prev_nb = prev_nblocks_.data();
+  int32_t* __restrict pos0 = curr_pos0_.data();
+  int32_t* __restrict nblocks = curr_nblocks_.data();
   int64_t m_total = in.m;
   app_order_.clear();
   for (int64_t i = 0; i < n; ++i) {
-    if (rec_of_row_[i] >= 0) {
-      const int32_t k = rec_of_row_[i];
-      curr_pos0_[i] = in.new_positions[k];
-      curr_nblocks_[i] = in.new_block_indptr[k + 1] - in.new_block_indptr[k];
+    if (rec[i] >= 0) {
+      const int32_t k = rec[i];
+      pos0[i] = in.new_positions[k];
+      nblocks[i] = in.new_block_indptr[k + 1] - in.new_block_indptr[k];
       continue;
     }
-    const int32_t j = remap_[i];
+    const int32_t j = rm[i];
     if (j < 0)
       fail("new_rows: " + row_str(i, in.req_ids[i]) +
            " was not in the previous step and has no new-row payload");
-    const int64_t pos = prev_pos0_[j] + cfg_.q;
-    const int64_t nb = prev_nblocks_[j] + app_count_[i];
-    if (nb > cfg_.max_blocks_per_seq)
-      fail("append_rows: " + row_str(i, in.req_ids[i]) + " would hold " + std::to_string(nb) +
-           " blocks, more than max_blocks_per_seq = " + std::to_string(cfg_.max_blocks_per_seq));
-    if (pos + cfg_.q > max_len)
-      fail("req_ids: " + row_str(i, in.req_ids[i]) + " reaches position " +
-           std::to_string(pos + cfg_.q - 1) + ", beyond max_blocks_per_seq * block_size = " +
-           std::to_string(max_len));
-    if (pos + cfg_.q > nb * cfg_.block_size)  // no division on the per-row path
-      fail("append_rows: " + row_str(i, in.req_ids[i]) + " at position " +
-           std::to_string(pos + cfg_.q - 1) + " needs block column " +
-           std::to_string((pos + cfg_.q - 1) / cfg_.block_size) + " but holds " +
+    const int64_t pos = prev_pos[j] + q;
+    const int64_t nb = prev_nb[j] + apps[i];
+    if (nb > w || pos + q > max_len || pos + q > nb * bs) {  // no division on this path
+      const std::string who = row_str(i, in.req_ids[i]);
+      if (nb > w)
+        fail("append_rows: " + who + " would hold " + std::to_string(nb) +
+             " blocks, more than max_blocks_per_seq = " + std::to_string(w));
+      if (pos + q > max_len)
+        fail("req_ids: " + who + " reaches position " + std::to_string(pos + q - 1) +
+             ", beyond max_blocks_per_seq * block_size = " + std::to_string(max_len));
+      fail("append_rows: " + who + " at position " + std::to_string(pos + q - 1) +
+           " needs block column " + std::to_string((pos + q - 1) / bs) + " but holds " +
            std::to_string(nb) + " blocks; append a block");
-    curr_pos0_[i] = static_cast<int32_t>(pos);
-    curr_nblocks_[i] = static_cast<int32_t>(nb);
-    if (app_count_[i] > 0) {
-      rec_of_row_[i] = static_cast<int32_t>(m_total++);
+    }
+    pos0[i] = static_cast<int32_t>(pos);
+    nblocks[i] = static_cast<int32_t>(nb);
+    if (apps[i] > 0) {
+      rec[i] = static_cast<int32_t>(m_total++);
       app_order_.push_back(static_cast<int32_t>(i));
     }
   }
@@ -214,10 +233,14 @@ int64_t StepPacker::pack(const StepInput& in, int32_t* out, int64_t capacity) {
   out[st::kNumRecords] = static_cast<int32_t>(m_total);
   out[st::kNumBlockIds] = static_cast<int32_t>(l_total);
   out[st::kQ] = static_cast<int32_t>(cfg_.q);
-  for (int64_t i = 0; i < n; ++i) {
-    const bool is_new = rec_of_row_[i] >= 0 && rec_of_row_[i] < in.m;
-    row_src[i] = is_new ? -1 : remap_[i];
-    row_rec[i] = rec_of_row_[i];
+  {
+    const int32_t* __restrict rec = rec_of_row_.data();
+    const int32_t* __restrict rm = remap_.data();
+    const int32_t m = static_cast<int32_t>(in.m);
+    for (int64_t i = 0; i < n; ++i) {  // records [0, m) belong to new rows
+      row_src[i] = (rec[i] >= 0 && rec[i] < m) ? -1 : rm[i];
+      row_rec[i] = rec[i];
+    }
   }
   std::copy_n(in.new_block_ids, in.l, blocks);
   for (int64_t k = 0; k < in.m; ++k) {
