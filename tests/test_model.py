@@ -1,18 +1,14 @@
 """Paged Llama: KV write, decode/prefill attention vs a dense reference, transformers parity."""
 import math
-import os
 
 import pytest
 import torch
+from conftest import DEVICE as DEV
 
-if not torch.cuda.is_available():  # conftest does this too; needed before triton kernels load
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from zos.models import (PAD_SLOT_ID, AttentionMetadata, allocate_kv_cache,  # noqa: E402
-                        decode_attention, from_hf_model, prefill_attention, store_kv, weights)
+from zos.models import (PAD_SLOT_ID, AttentionMetadata, allocate_kv_cache, decode_attention,
+                        from_hf_model, prefill_attention, store_kv, weights)
 
 I32, I64 = torch.int32, torch.int64
-DEV = "cuda" if torch.cuda.is_available() else "cpu"  # CPU runs the Triton interpreter
 
 
 def _tables(seq_lens, bs, num_blocks, width, gen):

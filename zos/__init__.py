@@ -9,7 +9,17 @@ The path of one decode step, top to bottom:
     zos.buffers                the static buffers and their per-bucket views
 zos.host_backend builds the same buffers on the host (the baseline), and
 zos.buckets holds the bucket tables of vLLM, SGLang, TensorRT-LLM and DeepInfer.
+
+Without CUDA, zos's Triton kernels run in Triton's CPU interpreter: TRITON_INTERPRET=1 is set
+here (unless already set) because Triton reads it when a kernel is defined, at import.
 """
+import os as _os
+
+import torch as _torch
+
+if not _torch.cuda.is_available():
+    _os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from zos._C import StepPacker, compute_remap
 from zos.backend import MetadataBackend, StepPlan
 from zos.buckets import BucketTable, from_policy

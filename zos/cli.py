@@ -92,6 +92,49 @@ def _cmd_buckets(args) -> int:
     return 0
 
 
+_DEMO_DOC = ("Run one slice of the Azure LLM inference trace 2023 through the engine twice, "
+             "with host-built metadata and with zos, check the tokens are identical, and write "
+             "report.md/png/json. Size flags default by device: CPU values finish in minutes "
+             "on 2 cores (Triton interpreter), CUDA values use graphs.")
+DEMO_FLAGS = (
+    ("--trace", dict(choices=("conv", "code"), default="conv", help="which trace (default conv)")),
+    ("--start", dict(type=int, default=0, help="first request of the slice (default 0)")),
+    ("--num-requests", dict(type=int, help="requests in the slice (default: CPU 16, CUDA 256)")),
+    ("--scale", dict(type=int, help="integer divisor of prompt and output lengths "
+                     "(default 4)")),
+    ("--max-prompt", dict(type=int, help="clamp of scaled prompt lengths (default: CPU 32, "
+                          "CUDA 1024)")),
+    ("--max-output", dict(type=int, help="clamp of scaled output lengths (default: CPU 48, "
+                          "CUDA 256)")),
+    ("--max-num-seqs", dict(type=int, help="request rows per decode step (default: "
+                            "CPU 8, CUDA 64)")),
+    ("--num-blocks", dict(type=int, help="KV blocks incl. the null block (default: tight, "
+                          "half of what max-num-seqs average requests need, so it preempts)")),
+    ("--block-size", dict(type=int, default=16, help="KV block size (default 16)")),
+    ("--weights", dict(choices=("auto", "real", "random"), default="auto", help="auto: "
+                       "SmolLM2-135M-Instruct if its GGUF is installed, else random weights")),
+    ("--bucket-policy", dict(choices=POLICIES + ("none",), help="decode graph buckets "
+                             "(default: vllm on CUDA, none on CPU)")),
+    ("--no-graphs", dict(action="store_true", help="run decode eagerly on CUDA too")),
+    ("--out", dict(default="zos-demo-out", help="report directory (default zos-demo-out)")),
+    ("--seed", dict(type=int, default=0, help="prompt windows and random weights (default 0)")),
+    ("--quiet", dict(action="store_true", help="no progress bars or sample texts")),
+    ("--tiny", dict(action="store_true", help=argparse.SUPPRESS)),  # small random Llama, tests
+)
+
+
+def _cmd_demo(args) -> int:
+    """``zos demo``: see ``zos.demo``. Exit 1 if the backends' tokens differ."""
+    from zos.demo import run_demo
+
+    report = run_demo(args)
+    if not report["identical"]:
+        print(f"zos demo: FAILED: host and zos generated different tokens: "
+              f"{report['mismatch']}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``zos`` argument parser, one subparser per subcommand."""
     parser = argparse.ArgumentParser(prog="zos", description="Device-side decode-step metadata "
@@ -113,11 +156,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compare", action="store_true", help="one row per policy, plus llama.cpp")
     p.set_defaults(func=_cmd_buckets)
 
-    # --- demo subcommand goes here (another engineer) -------------------------------------
-    # p = sub.add_parser("demo", help="...")
-    # p.add_argument(...)
-    # p.set_defaults(func=_cmd_demo)
-    # with `def _cmd_demo(args) -> int:` importing its module lazily inside the function.
+    # --- demo subcommand -------------------------------------------------------------------
+    p = sub.add_parser("demo", help="decode a slice of the Azure LLM trace with SmolLM2, "
+                       "host metadata vs zos, and write a report", description=_DEMO_DOC)
+    for flag, kw in DEMO_FLAGS:
+        p.add_argument(flag, **kw)
+    p.set_defaults(func=_cmd_demo)
     # ---------------------------------------------------------------------------------------
     return parser
 

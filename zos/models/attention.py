@@ -13,10 +13,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-try:  # installed package: zos.triton_kernels; source checkout on PYTHONPATH: triton_kernels
-    from zos.triton_kernels.kv_cache import store_kv_kernel
-except ImportError:  # pragma: no cover - depends on how zos is installed
-    from triton_kernels.kv_cache import store_kv_kernel
+from zos.triton_kernels.kv_cache import store_kv_kernel
 
 PAD_SLOT_ID = -1
 

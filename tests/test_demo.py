@@ -1,0 +1,102 @@
+"""``zos demo`` end to end on a tiny random Llama, and the trace slicing / prompt synthesis."""
+import json
+import os
+
+import pytest
+
+from zos import trace as ztrace
+from zos.cli import main
+from zos.demo import auto_num_blocks
+from zos.demo_report import first_mismatch, format_samples, sample_texts
+
+CONV_HEAD = [(374, 44), (396, 109), (879, 55), (91, 16), (91, 16), (381, 84)]  # file rows 1-6
+
+
+def test_trace_slice_exact_lengths_and_order():
+    s = ztrace.trace_slice("conv", 0, 6, 8, max_prompt=64, max_output=32)
+    assert [r.index for r in s] == list(range(6))
+    assert [(r.orig_prompt_len, r.orig_output_len) for r in s] == CONV_HEAD
+    assert [(r.prompt_len, r.output_len) for r in s] == [(46, 5), (49, 13), (64, 6), (11, 2),
+                                                         (11, 2), (47, 10)]
+    assert s[0].arrival == 0.0 and s[1].arrival == pytest.approx(4.314579, abs=1e-5)
+    assert all(a.arrival <= b.arrival for a, b in zip(s, s[1:]))
+
+
+def test_trace_slice_offset_clamps_and_errors():
+    rows = ztrace.load_trace("code")
+    s = ztrace.trace_slice("code", 100, 50, 3, max_prompt=40, max_output=5, min_prompt=8,
+                           min_output=2)
+    assert [r.index for r in s] == list(range(100, 150)) and s[0].arrival == 0.0
+    for r in s:
+        _, p, o = rows[r.index]
+        assert (r.orig_prompt_len, r.orig_output_len) == (p, o)
+        assert r.prompt_len == min(max(p // 3, 8), 40) and r.output_len == min(max(o // 3, 2), 5)
+    assert {r.prompt_len for r in s} >= {40} and min(r.output_len for r in s) >= 2
+    big = ztrace.trace_slice("conv", 0, 20, 10**6, max_prompt=9, max_output=9)
+    assert {(r.prompt_len, r.output_len) for r in big} == {(1, 1)}
+    n = len(ztrace.load_trace("conv"))
+    assert n == 19366 and len(rows) == 8819
+    for bad in (dict(start=n - 1, count=2), dict(start=-1, count=1), dict(start=0, count=0),
+                dict(start=0, count=1, scale=0), dict(start=0, count=1, max_prompt=0)):
+        kw = dict(dict(scale=1, max_prompt=8, max_output=8), **bad)
+        with pytest.raises(ValueError):
+            ztrace.trace_slice("conv", kw.pop("start"), kw.pop("count"), kw.pop("scale"), **kw)
+    with pytest.raises(ValueError):
+        ztrace.load_trace("chat")
+
+
+def test_prompts_are_corpus_windows_deterministic_by_seed():
+    text = ztrace.corpus_text()
+    assert len(text) > 20000 and "argument" in text
+    ids = list(range(1000, 1500))
+    a = ztrace.synthesize_prompts([5, 1, 700], ids, seed=3)
+    assert [len(p) for p in a] == [5, 1, 700]
+    assert a == ztrace.synthesize_prompts([5, 1, 700], ids, seed=3)
+    assert a != ztrace.synthesize_prompts([5, 1, 700], ids, seed=4)
+    for p in a:  # consecutive corpus tokens, wrapping around
+        assert all((y - 1000) == (x - 999) % 500 for x, y in zip(p, p[1:]))
+    r = ztrace.random_prompts([4, 9], 50, seed=1)
+    assert [len(p) for p in r] == [4, 9] and all(3 <= t < 50 for p in r for t in p)
+    with pytest.raises(ValueError):
+        ztrace.synthesize_prompts([3], [], seed=0)
+
+
+def test_helpers():
+    assert first_mismatch({1: [1, 2], 2: [3]}, {1: [1, 2], 2: [3]}) is None
+    assert "request 2" in first_mismatch({1: [1], 2: [3, 4, 5]}, {1: [1], 2: [3, 9, 5]})
+    assert "token 1" in first_mismatch({0: [3, 4]}, {0: [3]})
+    smp = sample_texts({0: [1, 2], 1: [3]}, {0: [5], 1: [6, 7]}, None, n=1)
+    assert smp == [dict(request=1, prompt_tail="[3]", completion="[6, 7]")]
+    text = format_samples([dict(request=4, prompt_tail="a\n b", completion="x" * 50)], width=20)
+    assert "[request 4] ...a b" in text and "x" * 17 + "..." in text
+    s = ztrace.trace_slice("conv", 0, 4, 8, max_prompt=64, max_output=32)
+    assert auto_num_blocks(s, 16, 8, 96) == 1 + max(6, round(0.5 * 8 * (4 + 4 + 5 + 1) / 4)) == 15
+
+
+def test_demo_end_to_end_tiny(tmp_path, capsys):
+    out = tmp_path / "report"
+    rc = main(["demo", "--tiny", "--weights", "random", "--block-size", "8", "--out", str(out),
+               "--quiet"])
+    printed = capsys.readouterr().out
+    assert rc == 0, printed
+    assert "identical tokens: YES" in printed and "| requests" in printed
+    for name in ("report.md", "report.png", "report.json"):
+        assert os.path.getsize(out / name) > 0
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["identical"] is True and rep["mismatch"] is None
+    h, z = rep["backends"]["host"], rep["backends"]["zos"]
+    for key in ("requests", "steps", "prefill_steps", "decode_steps", "tokens", "preemptions"):
+        assert h["totals"][key] == z["totals"][key], key
+    assert h["totals"]["tokens"] == rep["setup"]["output_tokens"] > 0
+    assert h["totals"]["requests"] == rep["setup"]["num_requests"] == 10
+    assert h["totals"]["preemptions"] >= 1  # num_blocks is tight by default
+    assert h["series"]["step"] == z["series"]["step"]
+    assert len(h["series"]["upload_bytes"]) == h["totals"]["decode_steps"]
+    assert 0 < z["upload_bytes_median"] < h["upload_bytes_median"]
+    assert rep["ratios"]["h2d_bytes_median"] > 1
+    assert len(rep["samples"]) == 3
+    if rep["setup"]["device"] == "cuda":
+        assert h["h2d_samples"] and z["h2d_samples"]
+        assert 0 < z["h2d_bytes_median"] < h["h2d_bytes_median"]
+    md = (out / "report.md").read_text()
+    assert "Identical tokens" in md and "YES" in md and rep["setup"]["torch"] in md
