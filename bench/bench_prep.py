@@ -53,7 +53,7 @@ def sync(device):
         torch.cuda.synchronize()
 
 
-def bench_one(variant, steps, wl, device, buckets, warmup, timed, profiled):
+def bench_one(variant, steps, wl, device, buckets, warmup, timed, profiled, gap_us=0):
     backend = make_backend(variant, wl, device, buckets)
     for s in steps[: 1 + warmup]:
         backend.prepare(s)
@@ -64,9 +64,12 @@ def bench_one(variant, steps, wl, device, buckets, warmup, timed, profiled):
         backend.prepare(s)
         host_us.append((time.perf_counter_ns() - t0) / 1e3)
         upload.append(backend.last_upload_bytes)
+        if gap_us:  # stand-in for a model step, then the sampled-token read: host waits idle
+            torch.cuda._sleep(int(gap_us * 1980))  # cycles at ~1.98 GHz
+            torch.cuda.synchronize()
     sync(device)
     rest = steps[1 + warmup + timed : 1 + warmup + timed + profiled]
-    row = dict(variant=variant, host_us_median=statistics.median(host_us),
+    row = dict(variant=variant, gap_us=gap_us, host_us_median=statistics.median(host_us),
                host_us_p90=sorted(host_us)[int(0.9 * len(host_us))],
                backend_upload_bytes_median=statistics.median(upload))
     if device == "cuda":
@@ -87,6 +90,9 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=30)
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--profiled", type=int, default=20)
+    ap.add_argument("--gap-us", type=int, default=0,
+                    help="GPU busy time + synchronize after each timed step (a model step "
+                         "stand-in: the host then prepares from idle, as in a synchronous engine)")
     ap.add_argument("--out", default=None, help="folder for the JSON (default: print only)")
     args = ap.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -100,7 +106,7 @@ def main(argv=None):
             backends = {}
             for v in VARIANTS:
                 row, backends[v] = bench_one(v, steps, wl, device, buckets, args.warmup,
-                                             args.steps, args.profiled)
+                                             args.steps, args.profiled, args.gap_us)
                 rows.append(dict(n=n, max_context=ctx, block_size=wl.bs, **row))
             ref = backends["host"].metadata(backends["host"].plan(n))
             for v in VARIANTS[1:]:
@@ -115,8 +121,10 @@ def main(argv=None):
         meta = dict(gpu=name, date=today, torch=torch.__version__,
                     triton=__import__("triton").__version__, replace_fraction=0.05,
                     buckets="vllm_policy(1024)", steps=args.steps, warmup=args.warmup,
+                    gap_us=args.gap_us,
                     profiled=args.profiled)
-        out = Path(args.out) / f"prep_{name.replace(' ', '_')}_{today}.json"
+        gap = f"_gap{args.gap_us}us" if args.gap_us else ""
+        out = Path(args.out) / f"prep_{name.replace(' ', '_')}_{today}{gap}.json"
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
         print(f"wrote {out}")

@@ -72,6 +72,11 @@ class DeviceMetadataBackend(MetadataBackend):
         self.last_upload_bytes = 4 * words
         return self.plan(step.num_reqs)
 
+    @property
+    def captures_prep(self) -> bool:
+        """Whether this backend replays prep graphs of its own (``capture_prep=True``)."""
+        return bool(self._graphs)
+
     def build(self, plan: StepPlan) -> None:
         """Rebuild rows [0, plan.padded_tokens) on the device (graph replay if captured)."""
         graph = self._graphs.get(plan.padded_tokens)

@@ -66,7 +66,7 @@ class GraphRunner:
         self.buffers = b = backend.buffers
         if b.q != 1:
             raise ValueError(f"GraphRunner samples one token per row: q must be 1, got {b.q}")
-        if getattr(backend, "_graphs", None):
+        if getattr(backend, "captures_prep", False):
             raise ValueError("the device backend must be built with capture_prep=False: its "
                              "build is captured inside this runner's graphs")
         self.use_cuda_graph = use_cuda_graph
