@@ -187,7 +187,10 @@ Raises:
       .def("submit", &zos::PinnedUpload::submit, py::arg("k"), py::arg("nbytes"),
            py::arg("stream"), py::call_guard<py::gil_scoped_release>(),
            "Enqueue the copy of nbytes of buffer k on stream (a raw CUstream) and fence it.\n\n"
-           "Raises ValueError if k is not the acquired buffer or nbytes exceeds capacity.");
+           "Raises ValueError if k is not the acquired buffer or nbytes exceeds capacity.")
+      .def("synchronize", &zos::PinnedUpload::synchronize,
+           py::call_guard<py::gil_scoped_release>(),
+           "Wait until both buffers' copies are done (before freeing the pinned buffers).");
 
   m.attr("HEADER_WORDS") = zos::staging::kHeaderWords;
   m.attr("RECORD_WORDS") = zos::staging::kRecordWords;

@@ -67,7 +67,15 @@ PinnedUpload::PinnedUpload(uint64_t dst, uint64_t src0, uint64_t src1, int64_t c
 
 PinnedUpload::~PinnedUpload() {
   for (auto* f : fence_)
-    if (f) driver().event_destroy(f);
+    if (f) {
+      driver().event_synchronize(f);  // errors ignored: nothing to report to in a destructor
+      driver().event_destroy(f);
+    }
+}
+
+void PinnedUpload::synchronize() {
+  bind_context();
+  for (auto* f : fence_) check(driver().event_synchronize(f), "cuEventSynchronize");
 }
 
 void PinnedUpload::bind_context() {

@@ -24,6 +24,8 @@ class PinnedUpload {
   // Enqueues the copy of nbytes of buffer k on `stream` (a CUstream / cudaStream_t)
   // and records k's fence after it; the next acquire returns the other buffer.
   void submit(int k, int64_t nbytes, uint64_t stream);
+  // Waits until both buffers' copies are done (before the pinned buffers are freed).
+  void synchronize();
 
  private:
   void bind_context();

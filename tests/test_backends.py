@@ -86,14 +86,54 @@ def test_shrink_within_bucket_clears_tail_and_reused_row():
     assert md.query_start_loc.tolist() == list(range(9)) and md.counts.tolist() == [1, 1]
 
 
-def test_block_boundary_and_int64_slots():
+@pytest.mark.parametrize("kind", ["device", "host"])
+def test_block_boundary_and_int64_slots(kind):
     big = 2**27  # block id * block_size overflows int32
     bufs = DecodeBuffers(2, 2, 32, device=DEVICE)
-    dev = DeviceMetadataBackend(bufs, num_blocks=big + 10, vocab_size=VOCAB)
+    cls = DeviceMetadataBackend if kind == "device" else HostMetadataBackend
+    dev = cls(bufs, num_blocks=big + 10, vocab_size=VOCAB)
     md = dev.prepare(DecodeStep.build([1], {0: (3, 31, [big + 1])}))
     assert md.slot_mapping.tolist() == [(big + 1) * 32 + 31]
     md = dev.prepare(DecodeStep.build([1], appends=[(0, big + 2)]))  # position 32: next block
     assert md.positions.tolist() == [32] and md.slot_mapping.tolist() == [(big + 2) * 32]
+
+
+@pytest.mark.parametrize("kind", ["device", "host"])
+def test_restart_in_place_and_moved(kind):
+    """A request still in the previous batch that restarts (recompute): its payload wins."""
+    b = make(kind, max_reqs=4, buckets=(4,))
+    b.prepare(DecodeStep.build([1, 2], {0: (5, 6, [7, 8]), 1: (6, 2, [9])}))
+    b.buffers.sampled[:2] = torch.tensor([50, 60], dtype=torch.int32)
+    md = b.prepare(DecodeStep.build([1, 2], {0: (11, 1, [12])}))  # request 1 restarts in row 0
+    assert md.input_ids[:2].tolist() == [11, 60] and md.positions[:2].tolist() == [1, 3]
+    assert md.block_table[:2].tolist() == [[12] + [0] * (W - 1), [9] + [0] * (W - 1)]
+    md = b.prepare(DecodeStep.build([2, 1], {0: (13, 0, [14])}))  # request 2 restarts, moved
+    assert md.input_ids[:2].tolist() == [13, 50] and md.positions[:2].tolist() == [0, 2]
+    assert md.slot_mapping[:2].tolist() == [14 * BS, 12 * BS + 2]
+
+
+@pytest.mark.parametrize("kind", ["device", "host"])
+def test_departed_request_needs_payload_to_return(kind):
+    b = make(kind)
+    b.prepare(DecodeStep.build([1, 2], {0: (5, 0, [7]), 1: (6, 0, [8])}))
+    b.prepare(DecodeStep.build([1]))  # request 2 is out for this step
+    with pytest.raises(ValueError, match="request 2.*no new-row payload"):
+        b.prepare(DecodeStep.build([1, 2]))
+    md = b.prepare(DecodeStep.build([1, 2], {1: (6, 1, [8])}))
+    assert md.positions.tolist() == [2, 1] and md.slot_mapping.tolist() == [30, 33]
+
+
+def test_speculative_rows_rejected():
+    bufs = DecodeBuffers(4, W, BS, q=2, device=DEVICE)
+    with pytest.raises(ValueError, match="buffers.q must be 1"):
+        DeviceMetadataBackend(bufs, num_blocks=NUM_BLOCKS, vocab_size=VOCAB)
+
+
+def test_empty_step_zeroes_counts():
+    b = make("device")
+    b.prepare(DecodeStep.build([1, 2], {0: (5, 0, [7]), 1: (6, 0, [8])}))
+    md = b.prepare(DecodeStep.build([]))
+    assert md.counts.tolist() == [0, 0] and md.padded_tokens == 0
 
 
 def snapshot(backend):

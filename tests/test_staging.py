@@ -54,10 +54,11 @@ def test_packer_remap_agrees_with_compute_remap():
     from zos import compute_remap
 
     gen = TraceGen(7, max_reqs=24, block_size=4, max_blocks=6, num_blocks=400, vocab=100, big=True)
+    gen.next_id = 2**62  # large ids, far from the row numbers
     p = StepPacker(max_reqs=24, q=1, block_size=4, max_blocks_per_seq=6, num_blocks=400,
                    vocab_size=100)
     prev = np.zeros(0, np.int64)
-    for _ in range(60):
+    for _ in range(200):
         step, rows = gen.next_step()
         view, _ = pack(p, step, capacity=4096)
         want = np.zeros(step.num_reqs, np.int32)
@@ -80,3 +81,12 @@ def test_packer_duplicates():
             pack(p, DecodeStep.build(ids, new))
     view, _ = pack(p, DecodeStep.build([2, 1]))  # the index is intact after the errors
     assert view.row_src.tolist() == [1, 0]
+
+
+def test_record_larger_than_out():
+    p = StepPacker(max_reqs=8, q=1, block_size=4, max_blocks_per_seq=4, num_blocks=64, vocab_size=100)
+    step = DecodeStep.build([1, 2], {0: (1, 0, [1]), 1: (1, 0, [2])})
+    with pytest.raises(ValueError, match="the staging record needs 24 words, capacity is 23"):
+        pack(p, step, capacity=23)
+    view, _ = pack(p, step, capacity=24)  # nothing was committed by the failed call
+    assert view.prev_reqs == 0 and view.row_src.tolist() == [-1, -1]

@@ -3,9 +3,15 @@
 Both kernels run one program per request row r of the padded step and read the
 real row count N from the staged record on the device (never from a launch
 argument), so one capture per bucket serves every N <= bucket. The record
-layout is csrc/staging.h; word offsets are repeated here as constexpr-free
-literals because Triton kernels cannot import Python constants at trace time
-without passing them, and tests/test_staging.py pins both to the C++ header.
+layout is csrc/staging.h: N at word 0, the record count at word M_WORD, a
+header of HEADER words, then row_src [N], row_rec [N], records of RECORD words
+and block ids; the launcher passes these as constexprs from zos.staging, which
+tests/test_staging.py pins to the C++ header.
+
+Masks that combine a per-row flag with a per-column mask are written
+``tl.where(flag, mask, False)``: Triton's CPU interpreter rejects the plain
+``flag & mask`` broadcast. Only token row t = 0 of a request gets its input
+token here (q = 1 is what the backends accept today).
 
 Permutations are made safe by a gather to scratch: ``snapshot_moved_rows``
 copies the previous state of every row that moves (remap[r] = j != r) into
@@ -17,15 +23,14 @@ import triton
 import triton.language as tl
 
 
-
 @triton.jit
 def snapshot_moved_rows(staging_ptr, positions_ptr, num_blocks_ptr, block_table_ptr,
                         scratch_pos_ptr, scratch_nb_ptr, scratch_bt_ptr, bt_stride,
-                        Q: tl.constexpr, BLOCK_W: tl.constexpr):
+                        Q: tl.constexpr, BLOCK_W: tl.constexpr, HEADER: tl.constexpr):
     r = tl.program_id(0)
     n = tl.load(staging_ptr)
     if r < n:
-        j = tl.load(staging_ptr + 8 + r)
+        j = tl.load(staging_ptr + HEADER + r)
         if (j >= 0) & (j != r):
             j64 = j.to(tl.int64)
             tl.store(scratch_pos_ptr + r, tl.load(positions_ptr + j64 * Q))
@@ -44,11 +49,12 @@ def rebuild_rows(staging_ptr, sampled_ptr, accepted_ptr,
                  block_table_ptr, num_blocks_ptr, counts_ptr,
                  scratch_pos_ptr, scratch_nb_ptr, scratch_bt_ptr,
                  bt_stride, block_size, pad_token_id, seq_len_fill,
-                 Q: tl.constexpr, Q_POW2: tl.constexpr, BLOCK_W: tl.constexpr):
+                 Q: tl.constexpr, Q_POW2: tl.constexpr, BLOCK_W: tl.constexpr,
+                 HEADER: tl.constexpr, RECORD: tl.constexpr, M_WORD: tl.constexpr):
     r = tl.program_id(0)
     r64 = r.to(tl.int64)
     n = tl.load(staging_ptr)
-    num_records = tl.load(staging_ptr + 3)
+    num_records = tl.load(staging_ptr + M_WORD)
     t = tl.arange(0, Q_POW2)
     tmask = t < Q
     tok_rows = r64 * Q + t
@@ -61,10 +67,10 @@ def rebuild_rows(staging_ptr, sampled_ptr, accepted_ptr,
         tl.store(counts_ptr, n)
         tl.store(counts_ptr + 1, n * Q)
     if r < n:
-        src = tl.load(staging_ptr + 8 + r)
-        rec = tl.load(staging_ptr + 8 + n + r)
-        rec_ptr = staging_ptr + 8 + 2 * n + 5 * rec
-        blk_base = staging_ptr + 8 + 2 * n + 5 * num_records
+        src = tl.load(staging_ptr + HEADER + r)
+        rec = tl.load(staging_ptr + HEADER + n + r)
+        rec_ptr = staging_ptr + HEADER + 2 * n + RECORD * rec
+        blk_base = staging_ptr + HEADER + 2 * n + RECORD * num_records
         has_rec = rec >= 0
         moved = (src >= 0) & (src != r)
         in_place = src == r

@@ -46,6 +46,11 @@ class MetadataBackend:
 
     def __init__(self, buffers: DecodeBuffers, *, num_blocks: int, vocab_size: int,
                  buckets: BucketTable | None = None) -> None:
+        if buffers.q != 1:
+            # The layout carries q token rows per request, but the packer's mirror advances a
+            # carried row by q: with drafts it must learn the accepted counts (one step late).
+            raise ValueError(f"buffers.q must be 1 (speculative decoding is not implemented "
+                             f"in the backends yet), got {buffers.q}")
         if buckets is not None and buckets.max_size > buffers.max_reqs * buffers.q:
             raise ValueError(f"buckets.max_size {buckets.max_size} exceeds the buffers' "
                              f"{buffers.max_reqs * buffers.q} token rows")
@@ -71,9 +76,18 @@ class MetadataBackend:
         return plan
 
     def stage(self, step: DecodeStep) -> StepPlan:
+        """Host work of one step, outside any graph: validate and pack ``step`` (C++) and
+        enqueue its upload on the current stream; returns the step's sizes.
+
+        Raises:
+            ValueError, TypeError: bad input (field, row, request and value named); nothing
+                was written to the device and the previous step is still the reference.
+        """
         raise NotImplementedError
 
     def build(self, plan: StepPlan) -> None:
+        """Device work of the step staged last: writes the buffers' rows [0, plan.padded_tokens)
+        (token rows) in place. Capturable in a CUDA graph for the device backend."""
         raise NotImplementedError
 
     def prepare(self, step: DecodeStep) -> DecodeMetadata:

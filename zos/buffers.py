@@ -103,7 +103,11 @@ class DecodeBuffers:
         self.scratch_block_table = torch.zeros((r, w), **i32)
 
     def views(self, num_reqs: int, padded_tokens: int) -> DecodeMetadata:
-        """Prefix views for a step of ``num_reqs`` requests padded to ``padded_tokens``."""
+        """Prefix views for a step of ``num_reqs`` requests padded to ``padded_tokens`` token
+        rows. ValueError unless 0 <= padded_tokens <= max_reqs * q and q divides it."""
+        if not 0 <= padded_tokens <= self.max_reqs * self.q or padded_tokens % self.q:
+            raise ValueError(f"padded_tokens must be a multiple of q={self.q} in [0, "
+                             f"{self.max_reqs * self.q}], got {padded_tokens}")
         r = padded_tokens // self.q
         return DecodeMetadata(
             input_ids=self.input_ids[:padded_tokens],

@@ -8,6 +8,7 @@ from zos.backend import MetadataBackend, StepPlan
 from zos.buffers import DecodeBuffers
 from zos.buckets import BucketTable
 from zos.kernels import launch_prep
+from zos.staging import HEADER_WORDS
 from zos.step import DecodeStep
 
 
@@ -17,9 +18,10 @@ class DeviceMetadataBackend(MetadataBackend):
     Per step, on the host: ``StepPacker.pack`` (C++, no GIL) writes the staging
     record into one of two pinned buffers, and one H2D copy of that record is
     enqueued natively (``PinnedUpload``: CUDA driver API, no torch dispatch);
-    its size is 8 + 2N + 5M + L int32 words (N rows, M rows with news, L new
-    block ids), independent of context length and block-table width for
-    carried rows. On the device: ``launch_prep`` (two kernels) rebuilds every
+    its size is 8 + 2N + 5M + L int32 words (N rows; M records: new rows and
+    rows with appended blocks; L block ids: new rows' whole rows and appended
+    blocks), independent of context length and block-table width for carried
+    rows. On the device: ``launch_prep`` (two kernels) rebuilds every
     field in place. The two pinned buffers alternate, each fenced by an event
     recorded after its copy, so the host never overwrites a record that an
     enqueued copy has not read yet (ZOS.md, "Kernels inside the graph").
@@ -47,8 +49,9 @@ class DeviceMetadataBackend(MetadataBackend):
             self._device_index = buffers.device.index
             if self._device_index is None:
                 self._device_index = torch.cuda.current_device()
-            self._upload = PinnedUpload(buffers.staging.data_ptr(), self._pinned[0].data_ptr(),
-                                        self._pinned[1].data_ptr(), 4 * words)
+            with torch.cuda.device(self._device_index):  # the fences live on the buffers' GPU
+                self._upload = PinnedUpload(buffers.staging.data_ptr(), self._pinned[0].data_ptr(),
+                                            self._pinned[1].data_ptr(), 4 * words)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         if capture_prep and cuda and buckets is not None:
             self._capture(buckets)
@@ -66,7 +69,11 @@ class DeviceMetadataBackend(MetadataBackend):
                                  step.new_positions, step.new_block_indptr, step.new_block_ids,
                                  step.append_rows, step.append_block_ids, self._pinned_np[k])
         if up is not None:
-            up.submit(k, 4 * words, torch._C._cuda_getCurrentRawStream(self._device_index))
+            try:  # private but cheap (0.2 us against 6 us for torch.cuda.current_stream())
+                up.submit(k, 4 * words, torch._C._cuda_getCurrentRawStream(self._device_index))
+            except RuntimeError:
+                self.packer.reset()  # the device never got this step: start over from new rows
+                raise
         else:
             self.buffers.staging[:words].copy_(self._pinned[0][:words])
         self.last_upload_bytes = 4 * words
@@ -79,17 +86,25 @@ class DeviceMetadataBackend(MetadataBackend):
 
     def build(self, plan: StepPlan) -> None:
         """Rebuild rows [0, plan.padded_tokens) on the device (graph replay if captured)."""
-        graph = self._graphs.get(plan.padded_tokens)
-        if plan.padded_tokens == 0:  # an empty step: nothing to rebuild
+        if plan.padded_tokens == 0:  # an empty step: no rows, and no real row either
+            self.buffers.counts.zero_()
             return
+        graph = self._graphs.get(plan.padded_tokens)
         if graph is not None:
             graph.replay()
         else:
             launch_prep(self.buffers, plan.padded_tokens // self.buffers.q)
 
+    def __del__(self) -> None:
+        if getattr(self, "_upload", None) is not None:
+            try:  # no copy may read the pinned buffers once they are freed
+                self._upload.synchronize()
+            except RuntimeError:  # at interpreter exit the CUDA context may be gone already
+                pass
+
     def _capture(self, buckets: BucketTable) -> None:
-        # Warm-up compiles the kernels; the staged record is all zeros (N = 0),
-        # so it only writes dummy rows, which is what the buffers hold already.
+        # Warm-up compiles the kernels with a record of N = 0: it only writes dummy rows.
+        self.buffers.staging[:HEADER_WORDS].zero_()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):

@@ -14,10 +14,14 @@ import numba
 import numpy as np
 import torch
 
+from zos import staging
 from zos.backend import MetadataBackend, StepPlan
 from zos.buffers import PAD_SLOT_ID, DecodeBuffers
 from zos.buckets import BucketTable
 from zos.step import DecodeStep
+
+
+_H, _R = staging.HEADER_WORDS, staging.RECORD_WORDS  # numba freezes globals at compile time
 
 
 @numba.njit(cache=True, nogil=True)
@@ -27,12 +31,12 @@ def _build_rows(rec, sampled, accepted, q, block_size, pad_token_id, seq_len_fil
     """Apply one staging record (csrc/staging.h) to the host rows; returns C, the
     block-table columns to upload, and writes rows [0, padded_reqs) x [0, C) of
     the block table into ``bt_compact`` (row-major, stride C)."""
-    n = rec[0]
-    m = rec[3]
-    rec0 = 8 + 2 * n
-    blk0 = rec0 + 5 * m
+    n = rec[staging.NUM_REQS]
+    m = rec[staging.NUM_RECORDS]
+    rec0 = _H + 2 * n
+    blk0 = rec0 + _R * m
     for r in range(n):  # gather rows that move, before any row is overwritten
-        j = rec[8 + r]
+        j = rec[_H + r]
         if j >= 0 and j != r:
             scratch_pos[r] = positions[j * q]
             nb = num_blocks[j]
@@ -42,8 +46,8 @@ def _build_rows(rec, sampled, accepted, q, block_size, pad_token_id, seq_len_fil
     for r in range(padded_reqs):
         old_nb = num_blocks[r]
         if r < n:
-            src = rec[8 + r]
-            k = rec[8 + n + r]
+            src = rec[_H + r]
+            k = rec[_H + n + r]
             if src >= 0:
                 token = sampled[src]
                 if src == r:
@@ -54,14 +58,14 @@ def _build_rows(rec, sampled, accepted, q, block_size, pad_token_id, seq_len_fil
                     nb_src = scratch_nb[r]
                     block_table[r, :nb_src] = scratch_bt[r, :nb_src]
             else:
-                token = rec[rec0 + 5 * k]
-                pos0 = rec[rec0 + 5 * k + 1]
+                token = rec[rec0 + _R * k + staging.R_TOKEN]
+                pos0 = rec[rec0 + _R * k + staging.R_POS0]
                 nb_src = 0
             nb_new = nb_src
             if k >= 0:
-                col0 = rec[rec0 + 5 * k + 2]
-                cnt = rec[rec0 + 5 * k + 3]
-                off = blk0 + rec[rec0 + 5 * k + 4]
+                col0 = rec[rec0 + _R * k + staging.R_COL0]
+                cnt = rec[rec0 + _R * k + staging.R_COUNT]
+                off = blk0 + rec[rec0 + _R * k + staging.R_BLK_OFF]
                 block_table[r, col0:col0 + cnt] = rec[off:off + cnt]
                 nb_new = col0 + cnt
             block_table[r, nb_new:old_nb] = 0

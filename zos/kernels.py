@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import triton
 
+from zos import staging
 from zos.buffers import DecodeBuffers
 from zos.triton_kernels.prep import rebuild_rows, snapshot_moved_rows
 
@@ -30,11 +31,12 @@ def launch_prep(buffers: DecodeBuffers, padded_reqs: int) -> None:
     snapshot_moved_rows[grid](
         b.staging, b.positions, b.num_blocks, b.block_table,
         b.scratch_pos, b.scratch_num_blocks, b.scratch_block_table, w,
-        Q=b.q, BLOCK_W=block_w)
+        Q=b.q, BLOCK_W=block_w, HEADER=staging.HEADER_WORDS)
     rebuild_rows[grid](
         b.staging, b.sampled, b.accepted,
         b.input_ids, b.positions, b.slot_mapping, b.seq_lens, b.query_start_loc,
         b.block_table, b.num_blocks, b.counts,
         b.scratch_pos, b.scratch_num_blocks, b.scratch_block_table,
         w, b.block_size, b.pad_token_id, b.seq_len_fill,
-        Q=b.q, Q_POW2=triton.next_power_of_2(b.q), BLOCK_W=block_w)
+        Q=b.q, Q_POW2=triton.next_power_of_2(b.q), BLOCK_W=block_w,
+        HEADER=staging.HEADER_WORDS, RECORD=staging.RECORD_WORDS, M_WORD=staging.NUM_RECORDS)
