@@ -116,7 +116,7 @@ PYBIND11_MODULE(_C, m) {
 Writes ``out[i] = j`` where ``curr_req_ids[i] == prev_req_ids[j]``, else -1, for
 i in [0, N), and returns the number of -1 rows. O(N + P) through a hash table
 kept per thread across calls (no allocation once it is large enough); runs
-without the GIL. Rule from ZOS.md ("One decode step, as data").
+without the GIL. Rule from docs/ZOS.md ("One decode step, as data").
 
 Args:
     prev_req_ids: numpy int64 [P], request ids of the previous step's rows.
@@ -170,7 +170,7 @@ max_reqs rows, record larger than ``out``); TypeError on wrong dtypes.)doc")
                                 R"doc(The step's one H2D copy, issued natively through the CUDA driver API.
 
 Two pinned host buffers alternate, each fenced by an event recorded after its
-copy (ZOS.md, "Kernels inside the graph"). The driver (libcuda.so.1) is loaded
+copy (docs/ZOS.md, "Kernels inside the graph"). The driver (libcuda.so.1) is loaded
 at first use, so the extension builds without a CUDA toolkit.
 
 Args:

@@ -65,14 +65,14 @@ void StepPacker::remap(const StepInput& in) {
     const int32_t j = index_.find(curr[i]);
     if (j >= 0) {
       if (taken_by_[j])
-        fail("curr_req_ids: request id " + std::to_string(curr[i]) + " appears twice, at positions " +
+        fail("req_ids: request id " + std::to_string(curr[i]) + " appears twice, at positions " +
              std::to_string(std::min(taken_by_[j] - 1, i)) + " and " +
              std::to_string(std::max(taken_by_[j] - 1, i)));
       taken_by_[j] = i + 1;
     } else {
       const int32_t first = new_ids_.insert(curr[i], i);
       if (first >= 0)
-        fail("curr_req_ids: request id " + std::to_string(curr[i]) +
+        fail("req_ids: request id " + std::to_string(curr[i]) +
              " appears twice, at positions " + std::to_string(first) + " and " +
              std::to_string(i));
     }

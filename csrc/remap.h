@@ -1,5 +1,5 @@
 // Request-id remap between two consecutive decode batches (O(N + P), no
-// allocation in the steady state). See ZOS.md, "One decode step, as data".
+// allocation in the steady state). See docs/ZOS.md, "One decode step, as data".
 #pragma once
 #include <cstdint>
 #include <vector>

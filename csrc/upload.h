@@ -3,7 +3,7 @@
 // (dlopen of libcuda.so.1): the extension needs no CUDA toolkit to build and
 // imports on machines without a GPU. Two pinned buffers alternate; each is
 // fenced by an event recorded after its copy, so the host never rewrites a
-// buffer that an enqueued copy has not read yet (ZOS.md, "Kernels inside the graph").
+// buffer that an enqueued copy has not read yet (docs/ZOS.md, "Kernels inside the graph").
 #pragma once
 #include <cstdint>
 

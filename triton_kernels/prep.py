@@ -117,7 +117,7 @@ def rebuild_rows(staging_ptr, sampled_ptr, accepted_ptr,
         tl.store(input_ids_ptr + tok_rows, token + t * 0, mask=tmask & (t == 0))
         tl.store(seq_lens_ptr + r, pos0 + Q)
     else:
-        # Dummy row: the padding ledger of ZOS.md.
+        # Dummy row: the padding ledger of docs/ZOS.md.
         for c0 in range(0, old_nb, BLOCK_W):
             cols = c0 + tl.arange(0, BLOCK_W)
             tl.store(row_bt + cols, cols * 0, mask=cols < old_nb)

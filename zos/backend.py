@@ -65,7 +65,7 @@ class MetadataBackend:
                                  buffers.max_blocks_per_seq, num_blocks, vocab_size)
 
     def plan(self, num_reqs: int) -> StepPlan:
-        """Bucket choice for ``num_reqs`` request rows (ZOS.md: rounding is monotone).
+        """Bucket choice for ``num_reqs`` request rows (docs/ZOS.md: rounding is monotone).
         Memoised: the per-step cost is one dict lookup."""
         plan = self._plans.get(num_reqs)
         if plan is None:

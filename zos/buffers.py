@@ -2,7 +2,7 @@
 bucket a prefix view (the layout vLLM's model runner v2 uses).
 
 Rows [N, B) of a padded step are dummy rows that follow the padding ledger of
-ZOS.md: token ``pad_token_id`` (a valid id), position 0, seq_len
+docs/ZOS.md: token ``pad_token_id`` (a valid id), position 0, seq_len
 ``seq_len_fill`` (default 1, never 0), slot PAD_SLOT_ID (-1, no KV write), and a
 block-table row of the null block 0 (reserved, never given to a request).
 """

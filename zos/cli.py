@@ -175,6 +175,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, TypeError) as e:
         print(f"zos {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # e.g. `zos buckets | head`
+        sys.stderr.close()
+        return 0
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ class DeviceMetadataBackend(MetadataBackend):
     rows. On the device: ``launch_prep`` (two kernels) rebuilds every
     field in place. The two pinned buffers alternate, each fenced by an event
     recorded after its copy, so the host never overwrites a record that an
-    enqueued copy has not read yet (ZOS.md, "Kernels inside the graph").
+    enqueued copy has not read yet (docs/ZOS.md, "Kernels inside the graph").
 
     Args:
         buffers, num_blocks, vocab_size, buckets: see :class:`MetadataBackend`.

@@ -10,7 +10,7 @@ from zos.buffers import NULL_BLOCK
 class BlockAllocator:
     """Hands out KV blocks ``1 .. num_blocks - 1``; block 0 (NULL_BLOCK) is never handed out.
 
-    Dummy rows of a padded step point at block 0 (ZOS.md, padding ledger rule 4), so
+    Dummy rows of a padded step point at block 0 (docs/ZOS.md, padding ledger rule 4), so
     no request may own it. Freed blocks go to the back of the free list (FIFO), so a
     block just given back is reused last: a stale read of it shows up in tests
     instead of being masked by the same id coming right back.
