@@ -124,7 +124,7 @@ class HostMetadataBackend(MetadataBackend):
                        seq_lens=pinned(r, fill=b.seq_len_fill),
                        query_start_loc=pinned(r + 1), counts=pinned(2))
         self._sampled = pinned(r)
-        self._accepted = np.ones(r, np.int32)
+        self._accepted = np.ones(r, np.int32)  # plain decode (q = 1): one token per row
         self._bt_compact = pinned(r * w)
         self._bt_device = torch.zeros(r * w, dtype=torch.int32, device=b.device)
         self._record = np.zeros(b.staging.numel(), np.int32)
@@ -149,8 +149,6 @@ class HostMetadataBackend(MetadataBackend):
         plan = self.plan(step.num_reqs)
         if prev:
             self._sampled[:prev].copy_(b.sampled[:prev])  # synchronous read-back
-            if b.q > 1:
-                self._accepted[:prev] = b.accepted[:prev].cpu().numpy()
         t, r = plan.padded_tokens, plan.padded_tokens // b.q
         a = self._np
         cols = _build_rows(self._record, a["sampled"], self._accepted, b.q, b.block_size,
