@@ -40,6 +40,7 @@ FIELDS = ("input_ids", "positions", "slot_mapping", "seq_lens", "query_start_loc
 
 
 def make_backend(variant, wl, device, policy):
+    """A backend of ``variant`` over fresh buffers sized for ``wl``; buckets of ``policy`` <= N."""
     buckets = BucketTable([b for b in policy.sizes if b <= wl.n], name=policy.name)
     bufs = DecodeBuffers(wl.n, wl.w, wl.bs, device=device)
     kw = dict(num_blocks=wl.num_blocks, vocab_size=32000, buckets=buckets)
@@ -49,11 +50,14 @@ def make_backend(variant, wl, device, policy):
 
 
 def sync(device):
+    """Wait for the device (no-op on the CPU)."""
     if device == "cuda":
         torch.cuda.synchronize()
 
 
 def bench_one(variant, steps, wl, device, buckets, warmup, timed, profiled, gap_us=0):
+    """Run ``steps`` through one backend: warm-up, timed steps (host us), profiled steps
+    (GPU us, H2D bytes and copies). Returns (row dict, backend)."""
     backend = make_backend(variant, wl, device, buckets)
     for s in steps[: 1 + warmup]:
         backend.prepare(s)
@@ -84,6 +88,7 @@ def bench_one(variant, steps, wl, device, buckets, warmup, timed, profiled, gap_
 
 
 def main(argv=None):
+    """Benchmark every size and context, print the table, write the JSON with ``--out``."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", default="1,8,64,256,512,1024")
     ap.add_argument("--contexts", default="32768", help="max context lengths, comma-separated")
@@ -131,6 +136,7 @@ def main(argv=None):
 
 
 def print_table(rows):
+    """One line per (N, context, backend): medians, GPU us, H2D bytes, ratio to host-built."""
     head = f"{'N':>5} {'ctx':>6} {'backend':<10} {'host us':>8} {'p90':>8} {'gpu us':>8} {'H2D B/step':>11} {'copies':>6} {'x host':>7}"
     print(head)
     base = {(r["n"], r["max_context"]): r["host_us_median"] for r in rows if r["variant"] == "host"}

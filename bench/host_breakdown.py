@@ -21,6 +21,7 @@ from zos import BucketTable, DecodeBuffers, DeviceMetadataBackend, StepPacker  #
 
 
 def med_us(fn, reps=2000):
+    """Median microseconds of ``fn()`` over ``reps`` calls."""
     ts = []
     for _ in range(reps):
         t0 = time.perf_counter_ns()
@@ -30,6 +31,7 @@ def med_us(fn, reps=2000):
 
 
 def main():
+    """Print the breakdown for each N given as the first argument (default 1,64,1024)."""
     for n in [int(x) for x in (sys.argv[1] if len(sys.argv) > 1 else "1,64,1024").split(",")]:
         wl = SteadyWorkload(n, seed=n)
         steps = [wl.first_step()] + [wl.next_step() for _ in range(600)]

@@ -20,11 +20,15 @@ TRACE = Path(__file__).resolve().parents[1] / "zos" / "data" / "azure_llm_infere
 
 
 def trace_prompt_lengths() -> np.ndarray:
+    """ContextTokens of every request of the conversation trace (int64)."""
     with open(TRACE) as f:
         return np.array([int(r["ContextTokens"]) for r in csv.DictReader(f)], np.int64)
 
 
 class SteadyWorkload:
+    """N rows at all times; ``first_step`` then ``next_step`` give DecodeSteps (see module doc).
+    Each request owns an arena of W block ids, so ``num_blocks`` is 1 + (2N + 1) * W."""
+
     def __init__(self, n, *, block_size=16, max_context=32768, replace=0.05, seed=0):
         self.rng = np.random.default_rng(seed)
         self.n, self.bs, self.max_ctx, self.replace = n, block_size, max_context, replace

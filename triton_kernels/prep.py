@@ -27,6 +27,13 @@ import triton.language as tl
 def snapshot_moved_rows(staging_ptr, positions_ptr, num_blocks_ptr, block_table_ptr,
                         scratch_pos_ptr, scratch_nb_ptr, scratch_bt_ptr, bt_stride,
                         Q: tl.constexpr, BLOCK_W: tl.constexpr, HEADER: tl.constexpr):
+    """Copy the previous state of every row that moves into scratch (one program per row).
+
+    Reads staging (int32 record), positions int32 [R*Q], num_blocks int32 [R], block_table
+    int32 [R, bt_stride]; writes scratch_pos int32 [R] (first position of row r's source),
+    scratch_nb int32 [R] and scratch_bt int32 [R, bt_stride] (its columns in use) for rows
+    r < N with remap[r] = j >= 0, j != r.
+    """
     r = tl.program_id(0)
     n = tl.load(staging_ptr)
     if r < n:
@@ -51,6 +58,16 @@ def rebuild_rows(staging_ptr, sampled_ptr, accepted_ptr,
                  bt_stride, block_size, pad_token_id, seq_len_fill,
                  Q: tl.constexpr, Q_POW2: tl.constexpr, BLOCK_W: tl.constexpr,
                  HEADER: tl.constexpr, RECORD: tl.constexpr, M_WORD: tl.constexpr):
+    """Rebuild request row r (one program per row of the padded step) in place.
+
+    Reads staging, sampled int32 [R] and accepted int32 [R] (the previous step's, indexed by
+    its rows), the scratch of snapshot_moved_rows, and row r's own previous num_blocks.
+    Writes input_ids int32 [R*Q] (token row r*Q), positions int32 [R*Q], slot_mapping int64
+    [R*Q] (block * block_size + offset), seq_lens int32 [R], query_start_loc int32 [R+1]
+    (entry r+1; program 0 also entry 0), block_table int32 [R, bt_stride] (columns written and
+    the previous occupant's cleared to the null block 0), num_blocks int32 [R], and program 0
+    counts int32 [2] = (N, N*Q). Rows r >= N get the dummy values of the padding ledger.
+    """
     r = tl.program_id(0)
     r64 = r.to(tl.int64)
     n = tl.load(staging_ptr)

@@ -68,6 +68,7 @@ class DecodeStep:
 
     @property
     def num_reqs(self) -> int:
+        """Request rows N of this step."""
         return len(self.req_ids)
 
     @classmethod
