@@ -168,7 +168,7 @@ def run_backend(model, s, backend, device, prompts, slice_, quiet, profile_every
     finally:
         if bar is not None:
             bar.close()
-    del engine
+    engine = None  # drop the KV cache before the next run (the profiling closure holds a cycle)
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
