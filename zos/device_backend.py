@@ -7,6 +7,7 @@ from zos._C import PinnedUpload
 from zos.backend import MetadataBackend, StepPlan
 from zos.buffers import DecodeBuffers
 from zos.buckets import BucketTable
+from zos.graphs import capture_per_bucket
 from zos.kernels import launch_prep
 from zos.staging import HEADER_WORDS
 from zos.step import DecodeStep
@@ -103,19 +104,6 @@ class DeviceMetadataBackend(MetadataBackend):
                 pass
 
     def _capture(self, buckets: BucketTable) -> None:
-        # Warm-up compiles the kernels with a record of N = 0: it only writes dummy rows.
-        self.buffers.staging[:HEADER_WORDS].zero_()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for size in buckets.sizes:
-                launch_prep(self.buffers, size // self.buffers.q)
-        torch.cuda.current_stream().wait_stream(stream)
-        pool = None
-        for size in reversed(buckets.sizes):
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                launch_prep(self.buffers, size // self.buffers.q)
-            pool = graph.pool()
-            self._graphs[size] = graph
-        torch.cuda.synchronize()
+        self.buffers.staging[:HEADER_WORDS].zero_()  # warm-up with N = 0: dummy rows only
+        q = self.buffers.q
+        self._graphs = capture_per_bucket(buckets.sizes, lambda s: launch_prep(self.buffers, s // q))

@@ -18,6 +18,7 @@ import torch
 
 from zos.backend import MetadataBackend, StepPlan
 from zos.models.attention import AttentionMetadata
+from zos.graphs import capture_per_bucket
 from zos.staging import HEADER_WORDS
 from zos.step import DecodeStep
 
@@ -104,21 +105,7 @@ class GraphRunner:
         torch.cuda.empty_cache()  # torch.cuda.graph empties it too: a comparable baseline
         alloc0, res0 = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
         t0 = time.perf_counter()
-        sizes = sorted(buckets.sizes, reverse=True)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up: Triton compiles, cuBLAS picks kernels
-            for s in sizes:
-                self._body(s)
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
-        pool = torch.cuda.graph_pool_handle()
-        for s in sizes:
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=pool):
-                self._body(s)
-            self.graphs[s] = g
-        torch.cuda.synchronize()
+        self.graphs = capture_per_bucket(buckets.sizes, self._body)
         self.capture_seconds = time.perf_counter() - t0
         self.graph_memory = {"allocated_bytes": torch.cuda.memory_allocated() - alloc0,
                              "reserved_bytes": torch.cuda.memory_reserved() - res0}
