@@ -28,11 +28,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from workload import SteadyWorkload  # noqa: E402
-
 from zos import BucketTable, DecodeBuffers, DeviceMetadataBackend, HostMetadataBackend  # noqa: E402
 from zos.buckets import vllm_policy  # noqa: E402
-from zos.profiling import profile_device  # noqa: E402
+from zos.serving.profiling import profile_device  # noqa: E402
+
+from workload import SteadyWorkload  # noqa: E402
 
 VARIANTS = ("host", "zos-eager", "zos-graph")
 FIELDS = ("input_ids", "positions", "slot_mapping", "seq_lens", "query_start_loc",
@@ -43,7 +43,7 @@ def make_backend(variant, wl, device, policy):
     """A backend of ``variant`` over fresh buffers sized for ``wl``; buckets of ``policy`` <= N."""
     buckets = BucketTable([b for b in policy.sizes if b <= wl.n], name=policy.name)
     bufs = DecodeBuffers(wl.n, wl.w, wl.bs, device=device)
-    kw = dict(num_blocks=wl.num_blocks, vocab_size=32000, buckets=buckets)
+    kw = dict(num_kv_blocks=wl.num_kv_blocks, vocab_size=32000, buckets=buckets)
     if variant == "host":
         return HostMetadataBackend(bufs, **kw)
     return DeviceMetadataBackend(bufs, capture_prep=variant == "zos-graph", **kw)

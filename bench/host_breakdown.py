@@ -15,9 +15,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from workload import SteadyWorkload  # noqa: E402
-
 from zos import BucketTable, DecodeBuffers, DeviceMetadataBackend, StepPacker  # noqa: E402
+
+from workload import SteadyWorkload  # noqa: E402
 
 
 def med_us(fn, reps=2000):
@@ -36,7 +36,7 @@ def main():
         wl = SteadyWorkload(n, seed=n)
         steps = [wl.first_step()] + [wl.next_step() for _ in range(600)]
         bufs = DecodeBuffers(n, wl.w, wl.bs, device="cuda")
-        be = DeviceMetadataBackend(bufs, num_blocks=wl.num_blocks, vocab_size=32000,
+        be = DeviceMetadataBackend(bufs, num_kv_blocks=wl.num_kv_blocks, vocab_size=32000,
                                    buckets=BucketTable([n]), capture_prep=True)
         be.prepare(steps[0])
         t_stage, t_build, t_meta, t_pack = [], [], [], []
@@ -50,7 +50,7 @@ def main():
             t_stage.append(t1 - t0)
             t_build.append(t2 - t1)
             t_meta.append(time.perf_counter_ns() - t2)
-        packer = StepPacker(n, 1, wl.bs, wl.w, wl.num_blocks, 32000)
+        packer = StepPacker(n, 1, wl.bs, wl.w, wl.num_kv_blocks, 32000)
         out = be._pinned_np[0].copy()
         for s in steps[:301]:
             t0 = time.perf_counter_ns()

@@ -9,25 +9,21 @@ block-table width but must not change zos's upload.
 """
 from __future__ import annotations
 
-import csv
-from pathlib import Path
-
 import numpy as np
 
 from zos import DecodeStep
-
-TRACE = Path(__file__).resolve().parents[1] / "zos" / "data" / "azure_llm_inference_trace_2023_conv.csv"
+from zos.serving.trace import load_trace
 
 
 def trace_prompt_lengths() -> np.ndarray:
-    """ContextTokens of every request of the conversation trace (int64)."""
-    with open(TRACE) as f:
-        return np.array([int(r["ContextTokens"]) for r in csv.DictReader(f)], np.int64)
+    """ContextTokens of every request of the conversation trace (int64), read through
+    :func:`zos.serving.trace.load_trace` as the demo reads it."""
+    return np.array([prompt for _, prompt, _ in load_trace("conv")], np.int64)
 
 
 class SteadyWorkload:
     """N rows at all times; ``first_step`` then ``next_step`` give DecodeSteps (see module doc).
-    Each request owns an arena of W block ids, so ``num_blocks`` is 1 + (2N + 1) * W."""
+    Each request owns an arena of W block ids, so ``num_kv_blocks`` is 1 + (2N + 1) * W."""
 
     def __init__(self, n, *, block_size=16, max_context=32768, replace=0.05, seed=0):
         self.rng = np.random.default_rng(seed)
@@ -35,7 +31,7 @@ class SteadyWorkload:
         self.w = max_context // block_size
         self.prompts = trace_prompt_lengths()
         self.num_arenas = 2 * n + 1  # each request owns an arena of w block ids
-        self.num_blocks = 1 + self.num_arenas * self.w
+        self.num_kv_blocks = 1 + self.num_arenas * self.w
         self.next_id = 0
         self.pos = np.zeros(n, np.int64)
         self.nblocks = np.zeros(n, np.int64)

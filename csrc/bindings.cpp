@@ -137,13 +137,14 @@ Computes the remap to the previous step, validates the step against a mirror of
 the previous rows (request id, first position, block count), and writes the
 record into a caller-owned int32 buffer, normally a pinned tensor's numpy view.
 Raises ValueError (naming field, row, request and value) before writing anything.)doc")
-      .def(py::init([](int64_t max_reqs, int64_t q, int64_t block_size, int64_t max_blocks_per_seq,
-                       int64_t num_blocks, int64_t vocab_size) {
+      .def(py::init([](int64_t max_num_reqs, int64_t uniform_decode_query_len, int64_t block_size, int64_t max_num_blocks_per_req,
+                       int64_t num_kv_blocks, int64_t vocab_size) {
              return zos::StepPacker(
-                 {max_reqs, q, block_size, max_blocks_per_seq, num_blocks, vocab_size});
+                 {max_num_reqs, uniform_decode_query_len, block_size, max_num_blocks_per_req, num_kv_blocks,
+                  vocab_size});
            }),
-           py::arg("max_reqs"), py::arg("q"), py::arg("block_size"),
-           py::arg("max_blocks_per_seq"), py::arg("num_blocks"), py::arg("vocab_size"))
+           py::arg("max_num_reqs"), py::arg("uniform_decode_query_len"), py::arg("block_size"),
+           py::arg("max_num_blocks_per_req"), py::arg("num_kv_blocks"), py::arg("vocab_size"))
       .def("pack", &pack, py::arg("req_ids"), py::arg("new_rows"), py::arg("new_tokens"),
            py::arg("new_positions"), py::arg("new_block_indptr"), py::arg("new_block_ids"),
            py::arg("append_rows"), py::arg("append_block_ids"), py::arg("out"),
@@ -158,9 +159,9 @@ last block of a carried row); out int32 [capacity], written in place.
 
 Rows not in new_rows must hold a request of the previous step; their position
 advances by q and their blocks carry over. Raises ValueError on any inconsistency
-(unknown request without payload, block ids outside [1, num_blocks), a position
-not covered by the row's blocks, beyond max_blocks_per_seq * block_size, more than
-max_reqs rows, record larger than ``out``); TypeError on wrong dtypes.)doc")
+(unknown request without payload, block ids outside [1, num_kv_blocks), a position
+not covered by the row's blocks, beyond max_num_blocks_per_req * block_size, more than
+max_num_reqs rows, record larger than ``out``); TypeError on wrong dtypes.)doc")
       .def("reset", &zos::StepPacker::reset,
            "Forget the previous step; every row of the next step must then be new.")
       .def_property_readonly("prev_num_reqs", &zos::StepPacker::prev_num_reqs,

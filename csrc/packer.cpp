@@ -18,18 +18,18 @@ std::string row_str(int64_t row, int64_t id) {
 
 }  // namespace
 
-StepPacker::StepPacker(const PackerConfig& cfg) : cfg_(cfg), index_(cfg.max_reqs) {
+StepPacker::StepPacker(const PackerConfig& cfg) : cfg_(cfg), index_(cfg.max_num_reqs) {
   auto positive = [](int64_t v, const char* name) {
     if (v <= 0) fail(std::string(name) + " must be positive, got " + std::to_string(v));
   };
-  positive(cfg.max_reqs, "max_reqs");
+  positive(cfg.max_num_reqs, "max_num_reqs");
   positive(cfg.q, "q");
   positive(cfg.block_size, "block_size");
-  positive(cfg.max_blocks_per_seq, "max_blocks_per_seq");
+  positive(cfg.max_num_blocks_per_req, "max_num_blocks_per_req");
   positive(cfg.vocab_size, "vocab_size");
-  if (cfg.num_blocks < 2) fail("num_blocks must be >= 2 (block 0 is reserved), got " +
-                               std::to_string(cfg.num_blocks));
-  const size_t r = static_cast<size_t>(cfg.max_reqs);
+  if (cfg.num_kv_blocks < 2) fail("num_kv_blocks must be >= 2 (block 0 is reserved), got " +
+                               std::to_string(cfg.num_kv_blocks));
+  const size_t r = static_cast<size_t>(cfg.max_num_reqs);
   for (auto* v : {&remap_, &rec_of_row_, &app_count_, &app_start_, &prev_pos0_, &prev_nblocks_,
                   &curr_pos0_, &curr_nblocks_, &taken_by_})
     v->assign(r, 0);
@@ -90,7 +90,7 @@ void StepPacker::commit_index(const StepInput& in) {
 }
 
 void StepPacker::validate_new_rows(const StepInput& in) {
-  const int64_t max_len = cfg_.max_blocks_per_seq * cfg_.block_size;
+  const int64_t max_len = cfg_.max_num_blocks_per_req * cfg_.block_size;
   if (in.new_block_indptr[0] != 0) fail("new_block_indptr[0] must be 0, got " +
                                         std::to_string(in.new_block_indptr[0]));
   if (in.new_block_indptr[in.m] != in.l)
@@ -112,13 +112,13 @@ void StepPacker::validate_new_rows(const StepInput& in) {
            std::to_string(cfg_.vocab_size) + ")");
     if (pos < 0 || pos + cfg_.q > max_len)
       fail("new_positions: " + who() + " has position " + std::to_string(pos) +
-           "; positions must lie in [0, max_blocks_per_seq * block_size - q] = [0, " +
+           "; positions must lie in [0, max_num_blocks_per_req * block_size - q] = [0, " +
            std::to_string(max_len - cfg_.q) + "]");
     const int64_t lo = in.new_block_indptr[k], hi = in.new_block_indptr[k + 1];
     if (hi < lo) fail("new_block_indptr must be non-decreasing, drops at " + std::to_string(k));
-    if (hi - lo > cfg_.max_blocks_per_seq)
+    if (hi - lo > cfg_.max_num_blocks_per_req)
       fail("new_block_ids: " + who() + " has " + std::to_string(hi - lo) +
-           " blocks, more than max_blocks_per_seq = " + std::to_string(cfg_.max_blocks_per_seq));
+           " blocks, more than max_num_blocks_per_req = " + std::to_string(cfg_.max_num_blocks_per_req));
     if (pos + cfg_.q > (hi - lo) * cfg_.block_size)
       fail("new_block_ids: " + who() + " at position " + std::to_string(pos) + " needs " +
            std::to_string((pos + cfg_.q - 1) / cfg_.block_size + 1) + " blocks, got " + std::to_string(hi - lo));
@@ -130,14 +130,14 @@ void StepPacker::validate_new_rows(const StepInput& in) {
     lo_id = std::min(lo_id, ids[e]);
     hi_id = std::max(hi_id, ids[e]);
   }
-  if (in.l > 0 && (lo_id < 1 || hi_id >= cfg_.num_blocks)) {
+  if (in.l > 0 && (lo_id < 1 || hi_id >= cfg_.num_kv_blocks)) {
     int64_t e = 0;
-    while (ids[e] >= 1 && ids[e] < cfg_.num_blocks) ++e;
+    while (ids[e] >= 1 && ids[e] < cfg_.num_kv_blocks) ++e;
     const int64_t k = std::upper_bound(in.new_block_indptr, in.new_block_indptr + in.m + 1, e) -
                       in.new_block_indptr - 1;
     fail("new_block_ids: " + row_str(in.new_rows[k], in.req_ids[in.new_rows[k]]) +
          " has block id " + std::to_string(ids[e]) + " outside [1, " +
-         std::to_string(cfg_.num_blocks) + ") (block 0 is the reserved null block)");
+         std::to_string(cfg_.num_kv_blocks) + ") (block 0 is the reserved null block)");
   }
 }
 
@@ -151,9 +151,9 @@ void StepPacker::validate_appends(const StepInput& in) {
     if (rec_of_row_[row] >= 0)
       fail("append_rows: " + who() + " is a new row; put the block in its new_block_ids");
     const int64_t b = in.append_block_ids[e];
-    if (b < 1 || b >= cfg_.num_blocks)
+    if (b < 1 || b >= cfg_.num_kv_blocks)
       fail("append_block_ids: " + who() + " gets block id " + std::to_string(b) +
-           " outside [1, " + std::to_string(cfg_.num_blocks) + ")");
+           " outside [1, " + std::to_string(cfg_.num_kv_blocks) + ")");
     ++app_count_[row];
   }
 }
@@ -161,9 +161,9 @@ void StepPacker::validate_appends(const StepInput& in) {
 int64_t StepPacker::pack(const StepInput& in, int32_t* out, int64_t capacity) {
   namespace st = staging;
   const int64_t n = in.n;
-  if (n > cfg_.max_reqs)
-    fail("req_ids: " + std::to_string(n) + " rows exceed max_reqs = " +
-         std::to_string(cfg_.max_reqs));
+  if (n > cfg_.max_num_reqs)
+    fail("req_ids: " + std::to_string(n) + " rows exceed max_num_reqs = " +
+         std::to_string(cfg_.max_num_reqs));
   const int64_t p = prev_num_reqs();
   remap(in);
   std::fill_n(rec_of_row_.begin(), n, -1);
@@ -172,8 +172,8 @@ int64_t StepPacker::pack(const StepInput& in, int32_t* out, int64_t capacity) {
   validate_appends(in);
 
   // Rows and their records: new rows take records [0, m), appended rows follow.
-  const int64_t max_len = cfg_.max_blocks_per_seq * cfg_.block_size;
-  const int64_t q = cfg_.q, bs = cfg_.block_size, w = cfg_.max_blocks_per_seq;
+  const int64_t max_len = cfg_.max_num_blocks_per_req * cfg_.block_size;
+  const int64_t q = cfg_.q, bs = cfg_.block_size, w = cfg_.max_num_blocks_per_req;
   int32_t* __restrict rec = rec_of_row_.data();
   const int32_t* __restrict rm = remap_.data();
   const int32_t* __restrict apps = app_count_.data();
@@ -200,10 +200,10 @@ int64_t StepPacker::pack(const StepInput& in, int32_t* out, int64_t capacity) {
       const std::string who = row_str(i, in.req_ids[i]);
       if (nb > w)
         fail("append_rows: " + who + " would hold " + std::to_string(nb) +
-             " blocks, more than max_blocks_per_seq = " + std::to_string(w));
+             " blocks, more than max_num_blocks_per_req = " + std::to_string(w));
       if (pos + q > max_len)
         fail("req_ids: " + who + " reaches position " + std::to_string(pos + q - 1) +
-             ", beyond max_blocks_per_seq * block_size = " + std::to_string(max_len));
+             ", beyond max_num_blocks_per_req * block_size = " + std::to_string(max_len));
       fail("append_rows: " + who + " at position " + std::to_string(pos + q - 1) +
            " needs block column " + std::to_string((pos + q - 1) / bs) + " but holds " +
            std::to_string(nb) + " blocks; append a block");

@@ -12,11 +12,11 @@
 namespace zos {
 
 struct PackerConfig {
-  int64_t max_reqs;            // request rows the device buffers hold
+  int64_t max_num_reqs;            // request rows the device buffers hold
   int64_t q;                   // token rows per request row (1 + draft tokens)
   int64_t block_size;          // tokens per KV block
-  int64_t max_blocks_per_seq;  // block-table width W
-  int64_t num_blocks;          // KV blocks; ids in [1, num_blocks), 0 is the null block
+  int64_t max_num_blocks_per_req;  // block-table width W
+  int64_t num_kv_blocks;          // KV blocks; ids in [1, num_kv_blocks), 0 is the null block
   int64_t vocab_size;          // token ids in [0, vocab_size)
 };
 

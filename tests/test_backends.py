@@ -2,23 +2,23 @@
 import numpy as np
 import pytest
 import torch
-from conftest import DEVICE
 from tracegen import TraceGen, expected
 
-from zos import (BucketTable, DecodeBuffers, DecodeStep, DeviceMetadataBackend,
-                 HostMetadataBackend)
+from zos import BucketTable, DecodeBuffers, DecodeStep, DeviceMetadataBackend, HostMetadataBackend
+
+from conftest import DEVICE
 
 BS, W, NUM_BLOCKS, VOCAB = 4, 6, 400, 1000
 FIELDS = ("input_ids", "positions", "slot_mapping", "seq_lens", "query_start_loc",
           "block_table", "counts")
 
 
-def make(kind, max_reqs=24, buckets=(1, 2, 4, 8, 16), capture=False):
-    bufs = DecodeBuffers(max_reqs, W, BS, device=DEVICE)
+def make(kind, max_num_reqs=24, buckets=(1, 2, 4, 8, 16), capture=False):
+    bufs = DecodeBuffers(max_num_reqs, W, BS, device=DEVICE)
     table = BucketTable(list(buckets)) if buckets else None
     if kind == "host":
-        return HostMetadataBackend(bufs, num_blocks=NUM_BLOCKS, vocab_size=VOCAB, buckets=table)
-    return DeviceMetadataBackend(bufs, num_blocks=NUM_BLOCKS, vocab_size=VOCAB, buckets=table,
+        return HostMetadataBackend(bufs, num_kv_blocks=NUM_BLOCKS, vocab_size=VOCAB, buckets=table)
+    return DeviceMetadataBackend(bufs, num_kv_blocks=NUM_BLOCKS, vocab_size=VOCAB, buckets=table,
                                  capture_prep=capture)
 
 
@@ -35,7 +35,7 @@ CAPTURE = [False, True] if DEVICE == "cuda" else [False]
 @pytest.mark.parametrize("capture", CAPTURE)
 @pytest.mark.parametrize("seed", range(6))
 def test_random_trace_matches_truth(seed, capture):
-    gen = TraceGen(seed, max_reqs=24, block_size=BS, max_blocks=W, num_blocks=NUM_BLOCKS,
+    gen = TraceGen(seed, max_num_reqs=24, block_size=BS, max_blocks=W, num_kv_blocks=NUM_BLOCKS,
                    vocab=VOCAB, big=True)
     dev, host = make("device", capture=capture), make("host")
     paths = set()
@@ -43,8 +43,8 @@ def test_random_trace_matches_truth(seed, capture):
         step, rows = gen.next_step()
         md, mh = dev.prepare(step), host.prepare(step)
         paths.add(dev.plan(step.num_reqs).bucketed)
-        check(md, rows, md.padded_tokens)
-        check(mh, rows, mh.padded_tokens)
+        check(md, rows, md.padded_size)
+        check(mh, rows, mh.padded_size)
         toks = torch.from_numpy(gen.sampled(rows))
         for b in (dev, host):
             b.buffers.sampled[: len(rows)] = toks.to(DEVICE)
@@ -53,7 +53,7 @@ def test_random_trace_matches_truth(seed, capture):
 
 def test_permutations_in_place():
     """Swaps, 3-cycles, condense and reversal on a full batch with long rows."""
-    dev = make("device", max_reqs=8, buckets=(8,))
+    dev = make("device", max_num_reqs=8, buckets=(8,))
     rows = list(range(8))
     blocks = {r: [1 + W * r + c for c in range(W)] for r in rows}
     pos = {r: 4 * BS + r % 3 for r in rows}  # all W blocks given: no appends needed
@@ -77,7 +77,7 @@ def test_permutations_in_place():
 
 
 def test_shrink_within_bucket_clears_tail_and_reused_row():
-    dev = make("device", max_reqs=8, buckets=(8,))
+    dev = make("device", max_num_reqs=8, buckets=(8,))
     md = dev.prepare(DecodeStep.build([1, 2, 3], {0: (7, 9, [5, 6, 7]), 1: (8, 1, [9]), 2: (9, 2, [10])}))
     md = dev.prepare(DecodeStep.build([3], {0: (4, 2, [11])}))  # request 3 restarts in row 0
     assert md.block_table[0].tolist() == [11, 0, 0, 0, 0, 0]  # no stale 6, 7 from request 1
@@ -91,7 +91,7 @@ def test_block_boundary_and_int64_slots(kind):
     big = 2**27  # block id * block_size overflows int32
     bufs = DecodeBuffers(2, 2, 32, device=DEVICE)
     cls = DeviceMetadataBackend if kind == "device" else HostMetadataBackend
-    dev = cls(bufs, num_blocks=big + 10, vocab_size=VOCAB)
+    dev = cls(bufs, num_kv_blocks=big + 10, vocab_size=VOCAB)
     md = dev.prepare(DecodeStep.build([1], {0: (3, 31, [big + 1])}))
     assert md.slot_mapping.tolist() == [(big + 1) * 32 + 31]
     md = dev.prepare(DecodeStep.build([1], appends=[(0, big + 2)]))  # position 32: next block
@@ -101,7 +101,7 @@ def test_block_boundary_and_int64_slots(kind):
 @pytest.mark.parametrize("kind", ["device", "host"])
 def test_restart_in_place_and_moved(kind):
     """A request still in the previous batch that restarts (recompute): its payload wins."""
-    b = make(kind, max_reqs=4, buckets=(4,))
+    b = make(kind, max_num_reqs=4, buckets=(4,))
     b.prepare(DecodeStep.build([1, 2], {0: (5, 6, [7, 8]), 1: (6, 2, [9])}))
     b.buffers.sampled[:2] = torch.tensor([50, 60], dtype=torch.int32)
     md = b.prepare(DecodeStep.build([1, 2], {0: (11, 1, [12])}))  # request 1 restarts in row 0
@@ -124,16 +124,16 @@ def test_departed_request_needs_payload_to_return(kind):
 
 
 def test_speculative_rows_rejected():
-    bufs = DecodeBuffers(4, W, BS, q=2, device=DEVICE)
-    with pytest.raises(ValueError, match="buffers.q must be 1"):
-        DeviceMetadataBackend(bufs, num_blocks=NUM_BLOCKS, vocab_size=VOCAB)
+    bufs = DecodeBuffers(4, W, BS, uniform_decode_query_len=2, device=DEVICE)
+    with pytest.raises(ValueError, match="buffers.uniform_decode_query_len must be 1"):
+        DeviceMetadataBackend(bufs, num_kv_blocks=NUM_BLOCKS, vocab_size=VOCAB)
 
 
 def test_empty_step_zeroes_counts():
     b = make("device")
     b.prepare(DecodeStep.build([1, 2], {0: (5, 0, [7]), 1: (6, 0, [8])}))
     md = b.prepare(DecodeStep.build([]))
-    assert md.counts.tolist() == [0, 0] and md.padded_tokens == 0
+    assert md.counts.tolist() == [0, 0] and md.padded_size == 0
 
 
 def snapshot(backend):
@@ -153,7 +153,7 @@ BAD = [
     ("missing append", dict(req_ids=[1, 2], appends=[]), ValueError, "request 2.*needs block column 1"),
     ("append to new row", dict(req_ids=[1, 2, 3], new={2: (1, 0, [1])}, appends=GROW + [(2, 5)]),
      ValueError, "is a new row"),
-    ("too many rows", dict(req_ids=list(range(10, 35))), ValueError, "exceed max_reqs"),
+    ("too many rows", dict(req_ids=list(range(10, 35))), ValueError, "exceed max_num_reqs"),
 ]
 
 

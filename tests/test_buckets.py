@@ -28,7 +28,7 @@ def all_tables():
 
 def test_vllm_default_sizes_and_count():
     t = B.vllm_policy()
-    assert list(t.sizes) == VLLM_512 and len(t) == 51 and t.max_size == 512 and t.q == 1
+    assert list(t.sizes) == VLLM_512 and len(t) == 51 and t.max_size == 512 and t.uniform_decode_query_len == 1
     assert B.from_policy("vllm", max_capture_size=512).sizes == t.sizes
     assert list(B.vllm_policy(100).sizes) == [1, 2, 4] + list(range(8, 97, 8))
 
@@ -47,7 +47,7 @@ def test_vllm_worst_cases_exact():
 
 def test_vllm_draft_tokens():
     t = B.vllm_policy(num_draft_tokens=3)
-    assert t.q == 4 and t.sizes == tuple(s for s in VLLM_512 if s % 4 == 0)
+    assert t.uniform_decode_query_len == 4 and t.sizes == tuple(s for s in VLLM_512 if s % 4 == 0)
     t = B.vllm_policy(num_draft_tokens=2)
     assert t.sizes == tuple(s for s in VLLM_512 if s % 3 == 0) and t.sizes[0] == 24
     r = B.vllm_policy(num_draft_tokens=2, spec_rounding="round_up")
@@ -64,7 +64,7 @@ def test_deepinfer_counts():
     t = B.deepinfer_policy(256, nextn=0)
     assert len(t) == 35 and t.max_size == 256 and t.sizes[:5] == (1, 2, 4, 8, 16)
     t5 = B.deepinfer_policy(256, nextn=5)
-    assert len(t5) == 195 and t5.max_size == 1536 and t5.q == 6 and not t5.uniform_decode
+    assert len(t5) == 195 and t5.max_size == 1536 and t5.uniform_decode_query_len == 6 and not t5.uniform_decode
     assert t5.sizes[-3:] == (1520, 1528, 1536)
     assert B.from_policy("deepinfer", max_num_seqs=256, nextn=5).sizes == t5.sizes
     assert B.deepinfer_policy(4).sizes == (1, 2, 4)  # interval clipped to max
@@ -77,7 +77,7 @@ def test_sglang_default_lists():
     bs, mul = B.sglang_batch_sizes(256, num_draft_tokens=3)
     assert len(bs) == 51 and mul == 1 and bs[:10] == [1, 2, 3, 4, 5, 6, 7, 8, 10, 12]
     t = B.sglang_policy(256, num_draft_tokens=3)  # token rows: bs * q
-    assert t.q == 4 and t.sizes == tuple(b * 4 for b in bs)
+    assert t.uniform_decode_query_len == 4 and t.sizes == tuple(b * 4 for b in bs)
     assert B.sglang_batch_sizes(100)[0][-2:] == [96, 100]  # max_bs appended
 
 
@@ -127,7 +127,7 @@ def test_trtllm_graph_keys():
 
 
 def test_from_policy_unknown_and_explicit():
-    assert B.from_policy("explicit", sizes=[2, 4], q=2).sizes == (2, 4)
+    assert B.from_policy("explicit", sizes=[2, 4], uniform_decode_query_len=2).sizes == (2, 4)
     with pytest.raises(ValueError, match="name"):
         B.from_policy("tgi")
 
@@ -163,7 +163,7 @@ def test_padded_sizes_vectorized(t):
 def test_intervals_cover_and_worst(t):
     ivs = t.intervals()
     assert [iv.bucket for iv in ivs] == list(t.sizes) and ivs[0].lo == 1
-    step = t.q if t.uniform_decode else 1
+    step = t.uniform_decode_query_len if t.uniform_decode else 1
     for a, b in zip(ivs, ivs[1:]):
         assert b.lo == a.hi + 1
     for iv in ivs:
@@ -174,9 +174,9 @@ def test_intervals_cover_and_worst(t):
 
 
 def test_table_basics():
-    t = BucketTable([2, 4, 8], q=2, alignment=2, name="x")
+    t = BucketTable([2, 4, 8], uniform_decode_query_len=2, alignment=2, name="x")
     assert len(t) == 3 and list(t) == [2, 4, 8] and 4 in t and 3 not in t
-    assert t.max_size == 8 and t.q == 2 and t.alignment == 2
+    assert t.max_size == 8 and t.uniform_decode_query_len == 2 and t.alignment == 2
     assert "x" in repr(t) and "n=3" in repr(t)
     assert t.waste(5) == 3 / 8 and t._lut.dtype == np.int32 and t._lut.shape == (9,)
     assert BucketTable(np.array([1, 3])).sizes == (1, 3)
@@ -194,9 +194,9 @@ def test_table_basics():
     (dict(sizes=[1, 4, 4]), ValueError, r"sizes\[2\].*increasing"),
     (dict(sizes=[4, 2]), ValueError, r"sizes\[1\].*increasing"),
     (dict(sizes=[4, 6], alignment=4), ValueError, r"sizes\[1\].*alignment"),
-    (dict(sizes=[2, 3], q=2), ValueError, r"sizes\[1\].*q=2"),
-    (dict(sizes=[1], q=0), ValueError, "q"),
-    (dict(sizes=[1], q=1.5), TypeError, "q"),
+    (dict(sizes=[2, 3], uniform_decode_query_len=2), ValueError, r"sizes\[1\].*q=2"),
+    (dict(sizes=[1], uniform_decode_query_len=0), ValueError, "uniform_decode_query_len"),
+    (dict(sizes=[1], uniform_decode_query_len=1.5), TypeError, "uniform_decode_query_len"),
     (dict(sizes=[1], alignment=0), ValueError, "alignment"),
     (dict(sizes=[1], alignment=False), TypeError, "alignment"),
 ])
@@ -206,7 +206,7 @@ def test_validation_errors(kwargs, exc, field):
 
 
 def test_non_uniform_allows_non_multiples_of_q():
-    assert BucketTable([2, 3], q=2, uniform_decode=False).sizes == (2, 3)
+    assert BucketTable([2, 3], uniform_decode_query_len=2, uniform_decode=False).sizes == (2, 3)
 
 
 @pytest.mark.parametrize("bad", [0, -1, 2.0, True, "3", None])

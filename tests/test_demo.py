@@ -4,10 +4,10 @@ import os
 
 import pytest
 
-from zos import trace as ztrace
 from zos.cli import main
-from zos.demo import auto_num_blocks
-from zos.demo_report import first_mismatch, format_samples, sample_texts
+from zos.serving import trace as ztrace
+from zos.serving.demo import auto_num_blocks
+from zos.serving.report import first_mismatch, format_samples, sample_texts
 
 CONV_HEAD = [(374, 44), (396, 109), (879, 55), (91, 16), (91, 16), (381, 84)]  # file rows 1-6
 
@@ -89,7 +89,7 @@ def test_demo_end_to_end_tiny(tmp_path, capsys):
         assert h["totals"][key] == z["totals"][key], key
     assert h["totals"]["tokens"] == rep["setup"]["output_tokens"] > 0
     assert h["totals"]["requests"] == rep["setup"]["num_requests"] == 10
-    assert h["totals"]["preemptions"] >= 1  # num_blocks is tight by default
+    assert h["totals"]["preemptions"] >= 1  # num_kv_blocks is tight by default
     assert h["series"]["step"] == z["series"]["step"]
     assert len(h["series"]["upload_bytes"]) == h["totals"]["decode_steps"]
     assert 0 < z["upload_bytes_median"] < h["upload_bytes_median"]

@@ -4,12 +4,14 @@ import random
 
 import pytest
 import torch
-from conftest import DEVICE
 
 from zos.buffers import NULL_BLOCK, PAD_SLOT_ID
-from zos.engine import Engine, EngineConfig, Request, _place
-from zos.kv_blocks import BlockAllocator
-from zos.models import AttentionMetadata, LlamaConfig, allocate_kv_cache, random_llama
+from zos.serving.engine import Engine, EngineConfig, Request, _place
+from zos.serving.kv_blocks import BlockAllocator
+from zos.serving.models import LlamaConfig, allocate_kv_cache, random_llama
+
+from conftest import DEVICE
+from helpers import attention_meta
 
 VOCAB, BS = 101, 4
 CFG = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -33,10 +35,10 @@ def reference(model, prompt, max_new, eos=None):
     while len(out) < max_new and (not out or out[-1] != eos):
         n = len(seq)
         i32 = dict(dtype=torch.int32, device=DEVICE)
-        meta = AttentionMetadata(
-            slot_mapping=torch.arange(BS, BS + n, dtype=torch.int64, device=DEVICE),
-            seq_lens=torch.tensor([n], **i32), query_start_loc=torch.tensor([0, n], **i32),
-            block_table=table, query_lens_host=[n], seq_lens_host=[n])
+        meta = attention_meta(
+            torch.arange(BS, BS + n, dtype=torch.int64, device=DEVICE),
+            torch.tensor([n], **i32), torch.tensor([0, n], **i32), table,
+            query_lens_host=[n], seq_lens_host=[n])
         with torch.no_grad():
             hidden = model(torch.tensor(seq, device=DEVICE), torch.arange(n, **i32), caches,
                            meta, True)
@@ -66,7 +68,7 @@ class Watch:
 
     def __call__(self, step):
         res = self._decode(step)
-        b, n, p = self.engine.buffers, res.num_reqs, res.padded_tokens
+        b, n, p = self.engine.buffers, res.num_reqs, res.padded_size
         assert b.slot_mapping[n:p].tolist() == [PAD_SLOT_ID] * (p - n)
         assert b.seq_lens[n:p].tolist() == [1] * (p - n)
         assert b.input_ids[n:p].tolist() == [0] * (p - n)
@@ -81,7 +83,7 @@ class Watch:
 def drive(model, backend, requests, eos, arrive_at=6):
     """Run ``requests``: the first half queued up front, the rest arriving after step
     ``arrive_at`` (mid-run). Returns (outputs, step records, watch, engine)."""
-    cfg = EngineConfig(block_size=BS, num_blocks=16, max_num_seqs=6, max_model_len=32,
+    cfg = EngineConfig(block_size=BS, num_kv_blocks=16, max_num_seqs=6, max_model_len=32,
                        max_prefill_tokens=24, eos_token_id=eos, backend=backend,
                        use_cuda_graph=True, buckets=[1, 2, 4])
     engine = Engine(model, cfg, DEVICE)
@@ -124,7 +126,7 @@ def test_backends_match_each_other_and_reference(model, seed):
     got = {}
     for backend in ("zos", "host"):
         out, records, watch, engine = drive(model, backend, make_requests(seed), eos)
-        got[backend] = (out, [(s.kind, s.path, s.num_reqs, s.padded) for s in records])
+        got[backend] = (out, [(s.kind, s.path, s.num_reqs, s.padded_size) for s in records])
         assert out == want, backend
         assert engine.num_preemptions > 0, "the run must preempt (few blocks)"
         assert check_layouts(watch.layouts) > 0, "the run must condense"
@@ -132,14 +134,14 @@ def test_backends_match_each_other_and_reference(model, seed):
         assert any(p > n for n, p, _ in watch.padded), "padded steps with dummy rows"
         assert any(s.kind == "prefill" and s.step > 7 for s in records), "mid-run admissions"
         assert watch.paths == ({"eager"} if DEVICE == "cpu" else {"graph", "eager"})
-        assert engine.allocator.num_free == engine.config.num_blocks - 1, "blocks leaked"
+        assert engine.allocator.num_free == engine.config.num_kv_blocks - 1, "blocks leaked"
         assert not engine.has_unfinished()
     assert got["zos"] == got["host"]
 
 
 def test_run_totals_and_progress(model):
     seen = []
-    cfg = EngineConfig(block_size=BS, num_blocks=40, max_num_seqs=4, max_model_len=32,
+    cfg = EngineConfig(block_size=BS, num_kv_blocks=40, max_num_seqs=4, max_model_len=32,
                        max_prefill_tokens=64, backend="zos", buckets=[1, 2, 4])
     reqs = make_requests(3, n=5)
     res = Engine(model, cfg, DEVICE).run(reqs, progress=seen.append)
@@ -152,14 +154,14 @@ def test_run_totals_and_progress(model):
 
 
 def test_request_validation(model):
-    engine = Engine(model, EngineConfig(block_size=BS, num_blocks=10, max_num_seqs=2,
+    engine = Engine(model, EngineConfig(block_size=BS, num_kv_blocks=10, max_num_seqs=2,
                                         max_model_len=16, bucket_policy=None), DEVICE)
     for bad in (Request(0, [], 3), Request(1, [VOCAB], 3), Request(2, [1] * 10, 7),
                 Request(3, [1], 0)):
         with pytest.raises(ValueError):
             engine.add_request(bad)
-    with pytest.raises(ValueError, match="num_blocks"):
-        Engine(model, EngineConfig(block_size=BS, num_blocks=4, max_model_len=16), DEVICE)
+    with pytest.raises(ValueError, match="num_kv_blocks"):
+        Engine(model, EngineConfig(block_size=BS, num_kv_blocks=4, max_model_len=16), DEVICE)
 
 
 def test_place_fills_holes_then_condenses():
@@ -209,7 +211,7 @@ def test_block_allocator():
 def test_preempts_most_recently_admitted(model):
     """Two requests outgrow 4 usable blocks: the later one gives its blocks back, is resumed by
     recomputing prompt + output, and both still equal the reference."""
-    cfg = EngineConfig(block_size=BS, num_blocks=5, max_num_seqs=2, max_model_len=16,
+    cfg = EngineConfig(block_size=BS, num_kv_blocks=5, max_num_seqs=2, max_model_len=16,
                        backend="zos", buckets=[1, 2])
     reqs = [Request(0, [5, 6, 7], 12), Request(1, [8, 9, 10], 12)]
     res = Engine(model, cfg, DEVICE).run(reqs)

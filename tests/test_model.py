@@ -1,20 +1,30 @@
 """Paged Llama: KV write, decode/prefill attention vs a dense reference, transformers parity."""
+import dataclasses
 import math
 
 import pytest
 import torch
-from conftest import DEVICE as DEV
 
-from zos.models import (PAD_SLOT_ID, AttentionMetadata, allocate_kv_cache, decode_attention,
-                        from_hf_model, prefill_attention, store_kv, weights)
+from zos import PAD_SLOT_ID
+from zos.serving.models import (
+    allocate_kv_cache,
+    decode_attention,
+    from_hf_model,
+    prefill_attention,
+    store_kv,
+    weights,
+)
+
+from conftest import DEVICE as DEV
+from helpers import attention_meta, to_device
 
 I32, I64 = torch.int32, torch.int64
 
 
-def _tables(seq_lens, bs, num_blocks, width, gen):
+def _tables(seq_lens, bs, num_kv_blocks, width, gen):
     """Random non-contiguous block table [R, width] (unused columns: random stale ids)."""
-    perm = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
-    table = torch.randint(1, num_blocks, (len(seq_lens), width), generator=gen, dtype=I32)
+    perm = (torch.randperm(num_kv_blocks - 1, generator=gen) + 1).tolist()
+    table = torch.randint(1, num_kv_blocks, (len(seq_lens), width), generator=gen, dtype=I32)
     for r, sl in enumerate(seq_lens):
         nb = -(-sl // bs)
         table[r, :nb] = torch.tensor([perm.pop() for _ in range(nb)], dtype=I32)
@@ -38,7 +48,7 @@ def _dense(q, k, v, q_pos, scale):
 
 def _to(meta):
     """Copy of meta with its tensors on DEV."""
-    return AttentionMetadata(*[x.to(DEV) if torch.is_tensor(x) else x for x in vars(meta).values()])
+    return to_device(meta, DEV)
 
 
 @pytest.mark.parametrize("num_tokens", [5, 17])
@@ -79,10 +89,9 @@ def test_decode_attention(q_len):
         _fill(cache, table, r, kv, bs)
     rows = len(seq_lens) + 1
     q = torch.randn(rows * q_len, hq, d, generator=gen)
-    meta = AttentionMetadata(slot_mapping=torch.full((rows * q_len,), PAD_SLOT_ID, dtype=I64),
-                             seq_lens=torch.tensor(seq_lens + [1], dtype=I32),
-                             query_start_loc=torch.arange(rows + 1, dtype=I32) * q_len,
-                             block_table=table)
+    meta = attention_meta(torch.full((rows * q_len,), PAD_SLOT_ID, dtype=I64),
+                          torch.tensor(seq_lens + [1], dtype=I32),
+                          torch.arange(rows + 1, dtype=I32) * q_len, table)
     out = decode_attention(q.to(DEV), cache.to(DEV), _to(meta), d ** -0.5).cpu()
     for r, (s, kv) in enumerate(zip(seq_lens, kvs)):
         rq = slice(r * q_len, (r + 1) * q_len)
@@ -102,27 +111,28 @@ def test_prefill_attention():
         _fill(cache, table, r, kv, bs)
     q = torch.randn(sum(q_lens), hq, d, generator=gen)
     qsl = torch.tensor([0] + q_lens, dtype=I32).cumsum(0).to(I32)
-    meta = AttentionMetadata(torch.zeros(sum(q_lens), dtype=I64), torch.tensor(seq_lens, dtype=I32),
-                             qsl, table, query_lens_host=q_lens, seq_lens_host=seq_lens)
+    meta = attention_meta(torch.zeros(sum(q_lens), dtype=I64), torch.tensor(seq_lens, dtype=I32),
+                          qsl, table, query_lens_host=q_lens, seq_lens_host=seq_lens)
     out = prefill_attention(q.to(DEV), cache.to(DEV), _to(meta), 0.3).cpu()
     for r, (s, ql, kv) in enumerate(zip(seq_lens, q_lens, kvs)):
         rq = slice(int(qsl[r]), int(qsl[r + 1]))
         ref = _dense(q[rq], kv[0], kv[1], torch.arange(s - ql, s), 0.3)
         torch.testing.assert_close(out[rq], ref, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="query_lens_host"):
-        prefill_attention(q, cache, AttentionMetadata(*list(vars(meta).values())[:4]), 0.3)
+        prefill_attention(q, cache, dataclasses.replace(meta, query_lens_host=None,
+                                                       seq_lens_host=None), 0.3)
 
 
 class PagedDriver:
     """Tiny hand-written engine: shuffled block pool, packed prefill, padded decode batches."""
 
-    def __init__(self, model, num_blocks=64, block_size=4, width=8, seed=0):
+    def __init__(self, model, num_kv_blocks=64, block_size=4, width=8, seed=0):
         c = model.config
         self.model, self.bs, self.width = model, block_size, width
-        self.caches = allocate_kv_cache(c.num_hidden_layers, num_blocks, block_size,
+        self.caches = allocate_kv_cache(c.num_hidden_layers, num_kv_blocks, block_size,
                                         c.num_key_value_heads, c.head_dim, torch.float32, DEV)
         gen = torch.Generator().manual_seed(seed)
-        self.free = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+        self.free = (torch.randperm(num_kv_blocks - 1, generator=gen) + 1).tolist()
         self.blocks, self.lens = {}, {}
 
     def _row(self, rid, n_new):
@@ -146,7 +156,7 @@ class PagedDriver:
         ids, pos = ids + [0] * pad_rows, pos + [0] * pad_rows
         slots = slots + [PAD_SLOT_ID] * pad_rows
         table, qls = table + [[0] * self.width] * pad_rows, qls + [1] * pad_rows
-        meta = _to(AttentionMetadata(
+        meta = _to(attention_meta(
             torch.tensor(slots, dtype=I64), torch.tensor(sls, dtype=I32),
             torch.tensor([0] + qls, dtype=I32).cumsum(0).to(I32), torch.tensor(table, dtype=I32),
             query_lens_host=qls if prefill else None, seq_lens_host=sls if prefill else None))
@@ -173,7 +183,8 @@ def _greedy(drv, prompts, n_new, bucket):
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_small_llama_matches_transformers(tied):
-    from transformers import LlamaConfig as HFConfig, LlamaForCausalLM as HFLlama
+    from transformers import LlamaConfig as HFConfig
+    from transformers import LlamaForCausalLM as HFLlama
 
     torch.manual_seed(0)
     cfg = HFConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -226,7 +237,7 @@ def test_smollm2_greedy_matches_transformers(smollm2):
                for q in questions]  # transformers 5: a BatchEncoding, 4.x: a list
     prompts = [p if isinstance(p, list) else list(p["input_ids"]) for p in prompts]
     n_new = 12
-    _, toks = _greedy(PagedDriver(model, num_blocks=64, block_size=16, width=5), prompts, n_new, 4)
+    _, toks = _greedy(PagedDriver(model, num_kv_blocks=64, block_size=16, width=5), prompts, n_new, 4)
     eos = model.config.eos_token_id
     for r, p in enumerate(prompts):
         with torch.no_grad():

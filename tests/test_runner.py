@@ -2,13 +2,13 @@
 matches a full-recompute reference, and reports path, bucket and upload size."""
 import pytest
 import torch
-from conftest import DEVICE
 from test_engine import CFG, reference
 
-from zos import (BucketTable, DecodeBuffers, DecodeStep, DeviceMetadataBackend,
-                 HostMetadataBackend)
-from zos.models import allocate_kv_cache, random_llama
-from zos.runner import GraphRunner
+from zos import BucketTable, DecodeBuffers, DecodeStep, DeviceMetadataBackend, HostMetadataBackend
+from zos.serving.models import allocate_kv_cache, random_llama
+from zos.serving.runner import GraphRunner
+
+from conftest import DEVICE
 
 BS, W, NUM_BLOCKS, SENTINEL = 4, 4, 32, 55
 
@@ -18,9 +18,9 @@ def model():
     return random_llama(CFG, seed=1, device=DEVICE)
 
 
-def make_runner(model, kind, max_reqs=8, q=1):
-    bufs = DecodeBuffers(max_reqs, W, BS, q=q, device=DEVICE)
-    kw = dict(num_blocks=NUM_BLOCKS, vocab_size=CFG.vocab_size, buckets=BucketTable([2, 4], q=q))
+def make_runner(model, kind, max_num_reqs=8, q=1):
+    bufs = DecodeBuffers(max_num_reqs, W, BS, uniform_decode_query_len=q, device=DEVICE)
+    kw = dict(num_kv_blocks=NUM_BLOCKS, vocab_size=CFG.vocab_size, buckets=BucketTable([2, 4], uniform_decode_query_len=q))
     backend = (DeviceMetadataBackend(bufs, **kw) if kind == "zos"
                else HostMetadataBackend(bufs, **kw))
     caches = allocate_kv_cache(CFG.num_hidden_layers, NUM_BLOCKS, BS, CFG.num_key_value_heads,
@@ -37,7 +37,7 @@ def test_eager_decode_samples_real_rows_only(model, kind):
     seqs = {10: [7], 11: [3], 12: [90]}  # request id -> tokens so far
 
     def check(res, n, padded, bucket, rids):
-        assert (res.path, res.num_reqs, res.padded_tokens, res.bucket) == ("eager", n, padded,
+        assert (res.path, res.num_reqs, res.padded_size, res.bucket) == ("eager", n, padded,
                                                                            bucket)
         assert res.upload_bytes > 0 and res.prep_us > 0
         got = sampled.tolist()
@@ -74,7 +74,7 @@ def test_prefill_and_errors(model):
         runner.prefill([([1] * 5, [1])])
     with pytest.raises(ValueError, match="empty"):
         runner.decode(DecodeStep.build([]))
-    with pytest.raises(ValueError, match="q must be 1"):
+    with pytest.raises(ValueError, match="uniform_decode_query_len must be 1"):
         make_runner(model, "zos", q=2)
 
 

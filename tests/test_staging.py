@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from zos import StepPacker, _C, staging
+from zos import _C, StepPacker, staging
 from zos.step import DecodeStep
 
 
@@ -21,7 +21,7 @@ def pack(packer, step, capacity=256):
 
 
 def test_record_layout():
-    p = StepPacker(max_reqs=8, q=1, block_size=4, max_blocks_per_seq=4, num_blocks=64, vocab_size=100)
+    p = StepPacker(max_num_reqs=8, uniform_decode_query_len=1, block_size=4, max_num_blocks_per_req=4, num_kv_blocks=64, vocab_size=100)
     view, rec = pack(p, DecodeStep.build([7, 8, 9], {0: (11, 3, [5]), 1: (12, 4, [6, 9]), 2: (13, 0, [2])}))
     assert rec[:8].tolist() == [3, 3, 0, 3, 4, 1, 0, 0]
     assert view.row_src.tolist() == [-1, -1, -1] and view.row_rec.tolist() == [0, 1, 2]
@@ -38,7 +38,7 @@ def test_record_layout():
 
 def test_carried_rows_cost_two_words():
     """Upload size is independent of context length for carried rows."""
-    p = StepPacker(max_reqs=64, q=1, block_size=16, max_blocks_per_seq=2048, num_blocks=10**6,
+    p = StepPacker(max_num_reqs=64, uniform_decode_query_len=1, block_size=16, max_num_blocks_per_req=2048, num_kv_blocks=10**6,
                    vocab_size=100)
     ids = list(range(64))
     pack(p, DecodeStep.build(ids, {i: (1, 30000, list(range(1 + 2000 * i, 1 + 2000 * i + 1876)))
@@ -53,9 +53,9 @@ def test_packer_remap_agrees_with_compute_remap():
 
     from zos import compute_remap
 
-    gen = TraceGen(7, max_reqs=24, block_size=4, max_blocks=6, num_blocks=400, vocab=100, big=True)
+    gen = TraceGen(7, max_num_reqs=24, block_size=4, max_blocks=6, num_kv_blocks=400, vocab=100, big=True)
     gen.next_id = 2**62  # large ids, far from the row numbers
-    p = StepPacker(max_reqs=24, q=1, block_size=4, max_blocks_per_seq=6, num_blocks=400,
+    p = StepPacker(max_num_reqs=24, uniform_decode_query_len=1, block_size=4, max_num_blocks_per_req=6, num_kv_blocks=400,
                    vocab_size=100)
     prev = np.zeros(0, np.int64)
     for _ in range(200):
@@ -71,7 +71,7 @@ def test_packer_remap_agrees_with_compute_remap():
 
 
 def test_packer_duplicates():
-    p = StepPacker(max_reqs=8, q=1, block_size=4, max_blocks_per_seq=4, num_blocks=64, vocab_size=100)
+    p = StepPacker(max_num_reqs=8, uniform_decode_query_len=1, block_size=4, max_num_blocks_per_req=4, num_kv_blocks=64, vocab_size=100)
     pack(p, DecodeStep.build([1, 2], {0: (1, 0, [1]), 1: (1, 0, [2])}))
     new = {2: (1, 0, [3]), 3: (1, 0, [4])}
     for ids, where in [([1, 2, 9, 9], "9 appears twice, at positions 2 and 3"),
@@ -84,7 +84,7 @@ def test_packer_duplicates():
 
 
 def test_record_larger_than_out():
-    p = StepPacker(max_reqs=8, q=1, block_size=4, max_blocks_per_seq=4, num_blocks=64, vocab_size=100)
+    p = StepPacker(max_num_reqs=8, uniform_decode_query_len=1, block_size=4, max_num_blocks_per_req=4, num_kv_blocks=64, vocab_size=100)
     step = DecodeStep.build([1, 2], {0: (1, 0, [1]), 1: (1, 0, [2])})
     with pytest.raises(ValueError, match="the staging record needs 24 words, capacity is 23"):
         pack(p, step, capacity=23)

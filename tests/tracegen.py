@@ -27,10 +27,10 @@ class TraceGen:
     one step, swaps, 3-cycles, shuffles, condense, shrink within a bucket, growth
     past the largest bucket and positions on block boundaries."""
 
-    def __init__(self, seed, *, max_reqs, block_size, max_blocks, num_blocks, vocab, big=False):
+    def __init__(self, seed, *, max_num_reqs, block_size, max_blocks, num_kv_blocks, vocab, big=False):
         self.rng = np.random.default_rng(seed)
-        self.max_reqs, self.bs, self.w, self.vocab, self.big = max_reqs, block_size, max_blocks, vocab, big
-        self.free = [int(b) for b in self.rng.permutation(np.arange(1, num_blocks))]
+        self.max_num_reqs, self.bs, self.w, self.vocab, self.big = max_num_reqs, block_size, max_blocks, vocab, big
+        self.free = [int(b) for b in self.rng.permutation(np.arange(1, num_kv_blocks))]
         self.rows: list[Req] = []  # the previous step's rows, in order
         self.returning: list[Req] = []  # absent last step or preempted: come back with payload
         self.next_id = 1000
@@ -104,7 +104,7 @@ class TraceGen:
             rows[i], rows[j], rows[l] = rows[l], rows[i], rows[j]
         elif u < 0.45:
             rows = [rows[i] for i in rng.permutation(k)]
-        while len(rows) > self.max_reqs:  # over capacity: send the newest back
+        while len(rows) > self.max_num_reqs:  # over capacity: send the newest back
             r = rows.pop()
             new.discard(r.rid)
             self.returning.insert(0, r)

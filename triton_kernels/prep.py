@@ -24,12 +24,12 @@ import triton.language as tl
 
 
 @triton.jit
-def snapshot_moved_rows(staging_ptr, positions_ptr, num_blocks_ptr, block_table_ptr,
+def snapshot_moved_rows(staging_ptr, positions_ptr, num_blocks_per_row_ptr, block_table_ptr,
                         scratch_pos_ptr, scratch_nb_ptr, scratch_bt_ptr, bt_stride,
                         Q: tl.constexpr, BLOCK_W: tl.constexpr, HEADER: tl.constexpr):
     """Copy the previous state of every row that moves into scratch (one program per row).
 
-    Reads staging (int32 record), positions int32 [R*Q], num_blocks int32 [R], block_table
+    Reads staging (int32 record), positions int32 [R*Q], num_blocks_per_row int32 [R], block_table
     int32 [R, bt_stride]; writes scratch_pos int32 [R] (first position of row r's source),
     scratch_nb int32 [R] and scratch_bt int32 [R, bt_stride] (its columns in use) for rows
     r < N with remap[r] = j >= 0, j != r.
@@ -41,7 +41,7 @@ def snapshot_moved_rows(staging_ptr, positions_ptr, num_blocks_ptr, block_table_
         if (j >= 0) & (j != r):
             j64 = j.to(tl.int64)
             tl.store(scratch_pos_ptr + r, tl.load(positions_ptr + j64 * Q))
-            nb = tl.load(num_blocks_ptr + j)
+            nb = tl.load(num_blocks_per_row_ptr + j)
             tl.store(scratch_nb_ptr + r, nb)
             for c0 in range(0, nb, BLOCK_W):
                 cols = c0 + tl.arange(0, BLOCK_W)
@@ -53,7 +53,7 @@ def snapshot_moved_rows(staging_ptr, positions_ptr, num_blocks_ptr, block_table_
 @triton.jit
 def rebuild_rows(staging_ptr, sampled_ptr, accepted_ptr,
                  input_ids_ptr, positions_ptr, slot_mapping_ptr, seq_lens_ptr, qsl_ptr,
-                 block_table_ptr, num_blocks_ptr, counts_ptr,
+                 block_table_ptr, num_blocks_per_row_ptr, counts_ptr,
                  scratch_pos_ptr, scratch_nb_ptr, scratch_bt_ptr,
                  bt_stride, block_size, pad_token_id, seq_len_fill,
                  Q: tl.constexpr, Q_POW2: tl.constexpr, BLOCK_W: tl.constexpr,
@@ -61,11 +61,11 @@ def rebuild_rows(staging_ptr, sampled_ptr, accepted_ptr,
     """Rebuild request row r (one program per row of the padded step) in place.
 
     Reads staging, sampled int32 [R] and accepted int32 [R] (the previous step's, indexed by
-    its rows), the scratch of snapshot_moved_rows, and row r's own previous num_blocks.
+    its rows), the scratch of snapshot_moved_rows, and row r's own previous num_blocks_per_row.
     Writes input_ids int32 [R*Q] (token row r*Q), positions int32 [R*Q], slot_mapping int64
     [R*Q] (block * block_size + offset), seq_lens int32 [R], query_start_loc int32 [R+1]
     (entry r+1; program 0 also entry 0), block_table int32 [R, bt_stride] (columns written and
-    the previous occupant's cleared to the null block 0), num_blocks int32 [R], and program 0
+    the previous occupant's cleared to the null block 0), num_blocks_per_row int32 [R], and program 0
     counts int32 [2] = (N, N*Q). Rows r >= N get the dummy values of the padding ledger.
     """
     r = tl.program_id(0)
@@ -76,7 +76,7 @@ def rebuild_rows(staging_ptr, sampled_ptr, accepted_ptr,
     tmask = t < Q
     tok_rows = r64 * Q + t
     row_bt = block_table_ptr + r64 * bt_stride
-    old_nb = tl.load(num_blocks_ptr + r)
+    old_nb = tl.load(num_blocks_per_row_ptr + r)
     # query_start_loc is r * q through the padding (non-decreasing, no stale tail).
     tl.store(qsl_ptr + r + 1, (r + 1) * Q)
     if r == 0:
@@ -117,7 +117,7 @@ def rebuild_rows(staging_ptr, sampled_ptr, accepted_ptr,
             v_kept = tl.load(scratch_bt_ptr + r64 * bt_stride + cols, mask=kept, other=0)
             v_new = tl.load(blk_base + blk_off + cols - col0, mask=fresh, other=0)
             tl.store(row_bt + cols, tl.where(fresh, v_new, v_kept), mask=cols < end)
-        tl.store(num_blocks_ptr + r, nb_new)
+        tl.store(num_blocks_per_row_ptr + r, nb_new)
         # Token rows: positions, slots (int64), input token.
         pos = pos0 + t
         col = pos // block_size
@@ -138,7 +138,7 @@ def rebuild_rows(staging_ptr, sampled_ptr, accepted_ptr,
         for c0 in range(0, old_nb, BLOCK_W):
             cols = c0 + tl.arange(0, BLOCK_W)
             tl.store(row_bt + cols, cols * 0, mask=cols < old_nb)
-        tl.store(num_blocks_ptr + r, 0)
+        tl.store(num_blocks_per_row_ptr + r, 0)
         tl.store(input_ids_ptr + tok_rows, pad_token_id + t * 0, mask=tmask)
         tl.store(positions_ptr + tok_rows, t * 0, mask=tmask)
         tl.store(slot_mapping_ptr + tok_rows, (t * 0 - 1).to(tl.int64), mask=tmask)

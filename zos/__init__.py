@@ -6,30 +6,44 @@ The path of one decode step, top to bottom:
     zos.device_backend         one H2D copy, then zos.kernels.launch_prep
     triton_kernels/prep.py     rebuild input_ids, positions, seq_lens, query_start_loc,
                                block_table, slot_mapping in place; dummy rows at the tail
-    zos.buffers                the static buffers and their per-bucket views
-zos.host_backend builds the same buffers on the host (the baseline), and
-zos.buckets holds the bucket tables of vLLM, SGLang, TensorRT-LLM and DeepInfer.
+    zos.buffers                the static buffers and their per-bucket views (StepMetadata)
+zos.host_backend builds the same buffers on the host (the baseline, numba), zos.buckets holds
+the bucket tables of vLLM, SGLang, TensorRT-LLM and DeepInfer, and zos.serving is the harness
+(paged Llama, graph runner, engine, demo) that the library never imports.
 
-Without CUDA, zos's Triton kernels run in Triton's CPU interpreter: TRITON_INTERPRET=1 is set
-here (unless already set) because Triton reads it when a kernel is defined, at import.
+Names are resolved lazily (PEP 562): ``import zos`` loads nothing heavy, ``zos.buckets`` needs
+neither torch nor numba, and only the host baseline imports numba. Without CUDA, the Triton
+kernels run in Triton's CPU interpreter (see :mod:`zos._interpret`).
 """
-import os as _os
+from __future__ import annotations
 
-import torch as _torch
+import importlib
 
-if not _torch.cuda.is_available():
-    _os.environ.setdefault("TRITON_INTERPRET", "1")
+__version__ = "0.2.0"
 
-from zos._C import StepPacker, compute_remap
-from zos.backend import MetadataBackend, StepPlan
-from zos.buckets import BucketTable, from_policy
-from zos.buffers import NULL_BLOCK, PAD_SLOT_ID, DecodeBuffers, DecodeMetadata
-from zos.device_backend import DeviceMetadataBackend
-from zos.host_backend import HostMetadataBackend
-from zos.step import DecodeStep
+_EXPORTS = {
+    "StepPacker": "zos._C", "compute_remap": "zos._C",
+    "MetadataBackend": "zos.backend", "StepPlan": "zos.backend",
+    "BucketTable": "zos.buckets", "from_policy": "zos.buckets",
+    "DecodeBuffers": "zos.buffers", "StepMetadata": "zos.buffers",
+    "NULL_BLOCK": "zos.buffers", "PAD_SLOT_ID": "zos.buffers",
+    "DeviceMetadataBackend": "zos.device_backend",
+    "HostMetadataBackend": "zos.host_backend",
+    "DecodeStep": "zos.step",
+    "paged_decode_attention": "zos.attention",
+    "launch_prep": "zos.kernels",
+}
+__all__ = sorted(_EXPORTS) + ["__version__"]
 
-__all__ = [
-    "BucketTable", "DecodeBuffers", "DecodeMetadata", "DecodeStep", "DeviceMetadataBackend",
-    "HostMetadataBackend", "MetadataBackend", "NULL_BLOCK", "PAD_SLOT_ID", "StepPacker",
-    "StepPlan", "compute_remap", "from_policy",
-]
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'zos' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__

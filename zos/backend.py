@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 from zos._C import StepPacker
 from zos.buckets import BucketTable
-from zos.buffers import DecodeBuffers, DecodeMetadata
+from zos.buffers import DecodeBuffers, StepMetadata
 from zos.step import DecodeStep
 
 
@@ -16,7 +16,7 @@ class StepPlan:
     Attributes:
         num_reqs: real request rows N.
         num_tokens: real token rows N * q.
-        padded_tokens: token rows the step runs with: the bucket of num_tokens,
+        padded_size: token rows the step runs with (B): the bucket of num_tokens,
             or num_tokens itself when no bucket holds it (``bucketed`` False:
             the step runs eagerly, on the same buffers).
         bucketed: whether a bucket (a captured graph) holds this step.
@@ -24,7 +24,7 @@ class StepPlan:
 
     num_reqs: int
     num_tokens: int
-    padded_tokens: int
+    padded_size: int
     bucketed: bool
 
 
@@ -32,44 +32,62 @@ class MetadataBackend:
     """Base of the two backends: owns the step packer and the bucket choice.
 
     A step is ``stage(step)`` (host work and upload, outside any graph) then
-    ``build(plan)`` (device work; for the device backend capturable in a CUDA
-    graph, for the host backend nothing), or both at once with ``prepare``.
+    ``build(plan.padded_size)`` (device work; for the device backend capturable in
+    a CUDA graph, for the host backend nothing), or both at once with ``prepare``.
+
+    A backend takes its buffers over when it is built: it resets them (every row a
+    dummy row, no row state) and becomes ``buffers.owner``, so two backends built
+    one after the other over the same buffers never see each other's rows; the
+    earlier one refuses further steps.
 
     Args:
-        buffers: the static device buffers this backend writes.
-        num_blocks: KV blocks in the cache (ids in [1, num_blocks); 0 is null).
-        vocab_size: token ids accepted in new rows are in [0, vocab_size).
+        buffers: the static device buffers this backend writes (reset here).
+        num_kv_blocks: KV blocks in the cache pool (ids in [1, num_kv_blocks); 0 is
+            the null block).
+        vocab_size: token ids accepted in new rows are in [0, vocab_size); the
+            buffers' pad token must be one of them.
         buckets: bucket table in token rows; None runs every step unpadded.
+
+    Raises:
+        ValueError: q != 1, a bucket larger than the buffers or not divisible by q,
+            ``buffers.pad_token_id`` outside [0, vocab_size), or a packer size out of range.
     """
 
     name = "base"
 
-    def __init__(self, buffers: DecodeBuffers, *, num_blocks: int, vocab_size: int,
+    def __init__(self, buffers: DecodeBuffers, *, num_kv_blocks: int, vocab_size: int,
                  buckets: BucketTable | None = None) -> None:
-        if buffers.q != 1:
+        q = buffers.uniform_decode_query_len
+        if q != 1:
             # The layout carries q token rows per request, but the packer's mirror advances a
             # carried row by q: with drafts it must learn the accepted counts (one step late).
-            raise ValueError(f"buffers.q must be 1 (speculative decoding is not implemented "
-                             f"in the backends yet), got {buffers.q}")
-        if buckets is not None and buckets.max_size > buffers.max_reqs * buffers.q:
+            raise ValueError(f"buffers.uniform_decode_query_len must be 1 (speculative decoding "
+                             f"is not implemented in the backends yet), got {q}")
+        if buckets is not None and buckets.max_size > buffers.max_num_reqs * q:
             raise ValueError(f"buckets.max_size {buckets.max_size} exceeds the buffers' "
-                             f"{buffers.max_reqs * buffers.q} token rows")
-        if buckets is not None and any(s % buffers.q for s in buckets.sizes):
-            raise ValueError(f"every bucket must be divisible by q = {buffers.q} (uniform decode)")
-        self.buffers = buffers
+                             f"{buffers.max_num_reqs * q} token rows")
+        if buckets is not None and any(s % q for s in buckets.sizes):
+            raise ValueError(f"every bucket must be divisible by uniform_decode_query_len = {q}")
+        if not 0 <= buffers.pad_token_id < vocab_size:
+            raise ValueError(f"buffers.pad_token_id {buffers.pad_token_id} is outside the "
+                             f"vocabulary [0, {vocab_size}): dummy rows would embed it")
         self.buckets = buckets
         self._plans: dict[int, StepPlan] = {}
-        self._metadata: dict[tuple[int, int], DecodeMetadata] = {}
+        self._metadata: dict[tuple[int, int], StepMetadata] = {}
         self.last_upload_bytes = 0  # bytes the last ``stage`` sent to the device
-        self.packer = StepPacker(buffers.max_reqs, buffers.q, buffers.block_size,
-                                 buffers.max_blocks_per_seq, num_blocks, vocab_size)
+        self.packer = StepPacker(buffers.max_num_reqs, buffers.uniform_decode_query_len,
+                                 buffers.block_size, buffers.max_num_blocks_per_req,
+                                 num_kv_blocks, vocab_size)
+        self.buffers = buffers
+        buffers.reset()
+        buffers.owner = self
 
     def plan(self, num_reqs: int) -> StepPlan:
         """Bucket choice for ``num_reqs`` request rows (docs/ZOS.md: rounding is monotone).
         Memoised: the per-step cost is one dict lookup."""
         plan = self._plans.get(num_reqs)
         if plan is None:
-            t = num_reqs * self.buffers.q
+            t = num_reqs * self.buffers.uniform_decode_query_len
             b = self.buckets.padded_size(t) if self.buckets is not None and t > 0 else None
             plan = self._plans[num_reqs] = StepPlan(num_reqs, t, b if b is not None else t,
                                                     b is not None)
@@ -77,31 +95,41 @@ class MetadataBackend:
 
     def stage(self, step: DecodeStep) -> StepPlan:
         """Host work of one step, outside any graph: validate and pack ``step`` (C++) and
-        enqueue its upload on the current stream; returns the step's sizes.
+        enqueue its upload; returns the step's sizes.
 
         Raises:
             ValueError, TypeError: bad input (field, row, request and value named); nothing
                 was written to the device and the previous step is still the reference.
+            RuntimeError: another backend has taken these buffers over since this one was built.
         """
+        if self.buffers.owner is not self:
+            raise RuntimeError(f"{type(self).__name__}: another backend "
+                               f"({type(self.buffers.owner).__name__}) has taken these buffers "
+                               f"over; build a new backend to use them again")
+        return self._stage(step)
+
+    def _stage(self, step: DecodeStep) -> StepPlan:
         raise NotImplementedError
 
-    def build(self, plan: StepPlan) -> None:
-        """Device work of the step staged last: writes the buffers' rows [0, plan.padded_tokens)
-        (token rows) in place. Capturable in a CUDA graph for the device backend."""
+    def build(self, padded_size: int) -> None:
+        """Device work of the step staged last: writes the buffers' token rows
+        [0, padded_size) (and request rows [0, padded_size // q)) in place; rows past the
+        staged N become dummy rows. Capturable in a CUDA graph for the device backend, with
+        the real N read from device memory, so one capture serves every N <= padded_size."""
         raise NotImplementedError
 
-    def prepare(self, step: DecodeStep) -> DecodeMetadata:
+    def prepare(self, step: DecodeStep) -> StepMetadata:
         """Stage and build one step; returns views padded to the step's bucket."""
         plan = self.stage(step)
-        self.build(plan)
+        self.build(plan.padded_size)
         return self.metadata(plan)
 
-    def metadata(self, plan: StepPlan) -> DecodeMetadata:
+    def metadata(self, plan: StepPlan) -> StepMetadata:
         """Views of the buffers for ``plan`` (memoised: views are made once per size)."""
-        key = (plan.num_reqs, plan.padded_tokens)
+        key = (plan.num_reqs, plan.padded_size)
         md = self._metadata.get(key)
         if md is None:
-            md = self._metadata[key] = self.buffers.views(plan.num_reqs, plan.padded_tokens)
+            md = self._metadata[key] = self.buffers.views(plan.num_reqs, plan.padded_size)
         return md
 
     def reset(self) -> None:

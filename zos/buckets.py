@@ -44,13 +44,14 @@ class BucketTable:
     """Validated, increasing capture sizes with O(1) round-up through a lookup array.
 
     ``sizes``: positive ints, strictly increasing, each divisible by ``alignment`` and, when
-    ``uniform_decode`` is true, by ``q`` (every request contributes exactly q token rows).
+    ``uniform_decode`` is true, by ``uniform_decode_query_len`` q (every request contributes
+    exactly q token rows; vLLM's name).
     Raises TypeError for a non-int (bool included) and ValueError naming the field otherwise.
     """
 
-    def __init__(self, sizes, *, q: int = 1, alignment: int = 1, uniform_decode: bool = True,
-                 name: str = "explicit"):
-        self._q = _check_int("q", q)
+    def __init__(self, sizes, *, uniform_decode_query_len: int = 1, alignment: int = 1,
+                 uniform_decode: bool = True, name: str = "explicit"):
+        q = self._q = _check_int("uniform_decode_query_len", uniform_decode_query_len)
         self._alignment = _check_int("alignment", alignment)
         sizes = list(sizes)
         if not sizes:
@@ -73,7 +74,8 @@ class BucketTable:
 
     sizes = property(lambda self: self._sizes, doc="Capture sizes, increasing (tuple of int).")
     max_size = property(lambda self: self._sizes[-1], doc="Largest size; above it: no bucket.")
-    q = property(lambda self: self._q, doc="Token rows per request (1 + draft tokens).")
+    uniform_decode_query_len = property(lambda self: self._q,
+                                        doc="Token rows per request, q = 1 + draft tokens.")
     alignment = property(lambda self: self._alignment, doc="Every size is a multiple of this.")
 
     def __len__(self) -> int:
@@ -86,8 +88,9 @@ class BucketTable:
         return n in self._sizes
 
     def __repr__(self) -> str:
-        return (f"BucketTable(name={self.name!r}, n={len(self)}, max={self.max_size}, q={self.q}, "
-                f"alignment={self.alignment}, uniform_decode={self.uniform_decode})")
+        return (f"BucketTable(name={self.name!r}, n={len(self)}, max={self.max_size}, "
+                f"uniform_decode_query_len={self._q}, alignment={self.alignment}, "
+                f"uniform_decode={self.uniform_decode})")
 
     def padded_size(self, n: int) -> int | None:
         """Smallest size >= n (token rows) in O(1), or None above ``max_size`` (run eagerly).
@@ -118,7 +121,7 @@ class BucketTable:
         """One Interval per bucket B with previous bucket Bp (0 first): sizes Bp+1..B map to B.
         The worst case is the smallest reachable size above Bp: Bp+1, or Bp+q in uniform decode
         (sizes are then multiples of q); for q == 1 both are Bp+1."""
-        step = self.q if self.uniform_decode else 1
+        step = self.uniform_decode_query_len if self.uniform_decode else 1
         pairs = zip((0,) + self._sizes[:-1], self._sizes)
         return [Interval(p + 1, b, b, p + step, (b - p - step) / b) for p, b in pairs]
 
@@ -149,7 +152,7 @@ def vllm_policy(max_capture_size: int = 512, *, num_draft_tokens: int = 0,
         raise ValueError(f"spec_rounding: expected 'filter' or 'round_up', got {spec_rounding!r}")
     if not sizes:
         raise ValueError(f"num_draft_tokens: no vLLM size <= {mx} is a multiple of q={q}")
-    return BucketTable(sizes, q=q, name="vllm")
+    return BucketTable(sizes, uniform_decode_query_len=q, name="vllm")
 
 
 def deepinfer_policy(max_num_seqs: int = 256, *, nextn: int = 0, interval: int = 8) -> BucketTable:
@@ -163,7 +166,8 @@ def deepinfer_policy(max_num_seqs: int = 256, *, nextn: int = 0, interval: int =
     step = min(_check_int("interval", interval), mx)
     sizes = [1 << i for i in range(step.bit_length()) if (1 << i) < step]
     sizes += list(range(step, mx, step)) + [mx]
-    return BucketTable(sizes, q=1 + nextn, uniform_decode=nextn == 0, name="deepinfer")
+    return BucketTable(sizes, uniform_decode_query_len=1 + nextn, uniform_decode=nextn == 0,
+                       name="deepinfer")
 
 
 def sglang_batch_sizes(max_bs: int = 256, *, num_draft_tokens: int = 0, attn_tp_size: int = 1,
@@ -208,7 +212,8 @@ def sglang_policy(max_bs: int = 256, **kwargs) -> BucketTable:
     (q = 1 + num_draft_tokens, alignment = mul_base). See ``sglang_batch_sizes``."""
     bs, mul_base = sglang_batch_sizes(max_bs, **kwargs)
     q = 1 + kwargs.get("num_draft_tokens", 0)
-    return BucketTable([b * q for b in bs], q=q, alignment=mul_base, name="sglang")
+    return BucketTable([b * q for b in bs], uniform_decode_query_len=q, alignment=mul_base,
+                       name="sglang")
 
 
 def trtllm_policy(max_batch_size: int = 128, *, enable_padding: bool = True) -> BucketTable:

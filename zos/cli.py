@@ -27,7 +27,7 @@ def _table(policy: str, args):
 
     k = args.num_draft_tokens if args.num_draft_tokens is not None else (args.nextn or 0)
     if args.sizes:
-        return b.BucketTable(args.sizes, q=1 + k, name="explicit")
+        return b.BucketTable(args.sizes, uniform_decode_query_len=1 + k, name="explicit")
     if policy == "vllm":
         return b.vllm_policy(args.max_size or 512, num_draft_tokens=k)
     if policy == "deepinfer":
@@ -48,7 +48,8 @@ def _frac(iv) -> str:
 def _print_table(t, args) -> None:
     """Sizes, count, worst case, and per-interval worst waste grouped by interval width."""
     unit = "requests" if t.name == "trtllm" else "token rows"
-    print(f"policy {t.name}: {len(t)} sizes, max {t.max_size} ({unit}, q={t.q}, "
+    print(f"policy {t.name}: {len(t)} sizes, max {t.max_size} ({unit}, "
+          f"q={t.uniform_decode_query_len}, "
           f"alignment={t.alignment}, uniform_decode={t.uniform_decode})")
     print("sizes:", ",".join(map(str, t.sizes)))
     w = t.worst_case()
@@ -108,7 +109,7 @@ DEMO_FLAGS = (
                           "CUDA 256)")),
     ("--max-num-seqs", dict(type=int, help="request rows per decode step (default: "
                             "CPU 8, CUDA 64)")),
-    ("--num-blocks", dict(type=int, help="KV blocks incl. the null block (default: tight, "
+    ("--num-kv-blocks", dict(type=int, help="KV blocks incl. the null block (default: tight, "
                           "half of what max-num-seqs average requests need, so it preempts)")),
     ("--block-size", dict(type=int, default=16, help="KV block size (default 16)")),
     ("--weights", dict(choices=("auto", "real", "random"), default="auto", help="auto: "
@@ -125,7 +126,7 @@ DEMO_FLAGS = (
 
 def _cmd_demo(args) -> int:
     """``zos demo``: see ``zos.demo``. Exit 1 if the backends' tokens differ."""
-    from zos.demo import run_demo
+    from zos.serving.demo import run_demo
 
     report = run_demo(args)
     if not report["identical"]:

@@ -5,8 +5,8 @@ import torch
 
 from zos._C import PinnedUpload
 from zos.backend import MetadataBackend, StepPlan
-from zos.buffers import DecodeBuffers
 from zos.buckets import BucketTable
+from zos.buffers import DecodeBuffers
 from zos.graphs import capture_per_bucket
 from zos.kernels import launch_prep
 from zos.staging import HEADER_WORDS
@@ -28,7 +28,7 @@ class DeviceMetadataBackend(MetadataBackend):
     enqueued copy has not read yet (docs/ZOS.md, "Kernels inside the graph").
 
     Args:
-        buffers, num_blocks, vocab_size, buckets: see :class:`MetadataBackend`.
+        buffers, num_kv_blocks, vocab_size, buckets: see :class:`MetadataBackend`.
         capture_prep: on CUDA, capture the prep kernels once per bucket into a
             CUDA graph at construction and replay it in ``build`` (the real row
             count comes from the staged record, so one graph serves every N in
@@ -38,9 +38,10 @@ class DeviceMetadataBackend(MetadataBackend):
 
     name = "zos"
 
-    def __init__(self, buffers: DecodeBuffers, *, num_blocks: int, vocab_size: int,
+    def __init__(self, buffers: DecodeBuffers, *, num_kv_blocks: int, vocab_size: int,
                  buckets: BucketTable | None = None, capture_prep: bool = False) -> None:
-        super().__init__(buffers, num_blocks=num_blocks, vocab_size=vocab_size, buckets=buckets)
+        super().__init__(buffers, num_kv_blocks=num_kv_blocks, vocab_size=vocab_size,
+                         buckets=buckets)
         cuda = buffers.device.type == "cuda"
         words = buffers.staging.numel()
         self._pinned = [torch.zeros(words, dtype=torch.int32, pin_memory=cuda) for _ in range(2)]
@@ -57,7 +58,7 @@ class DeviceMetadataBackend(MetadataBackend):
         if capture_prep and cuda and buckets is not None:
             self._capture(buckets)
 
-    def stage(self, step: DecodeStep) -> StepPlan:
+    def _stage(self, step: DecodeStep) -> StepPlan:
         """Pack ``step`` and enqueue its one H2D copy into ``buffers.staging``.
 
         On CUDA the copy is issued natively (:class:`zos._C.PinnedUpload`) on the
@@ -85,16 +86,16 @@ class DeviceMetadataBackend(MetadataBackend):
         """Whether this backend replays prep graphs of its own (``capture_prep=True``)."""
         return bool(self._graphs)
 
-    def build(self, plan: StepPlan) -> None:
-        """Rebuild rows [0, plan.padded_tokens) on the device (graph replay if captured)."""
-        if plan.padded_tokens == 0:  # an empty step: no rows, and no real row either
+    def build(self, padded_size: int) -> None:
+        """Rebuild token rows [0, padded_size) on the device (graph replay if captured)."""
+        if padded_size == 0:  # an empty step: no rows, and no real row either
             self.buffers.counts.zero_()
             return
-        graph = self._graphs.get(plan.padded_tokens)
+        graph = self._graphs.get(padded_size)
         if graph is not None:
             graph.replay()
         else:
-            launch_prep(self.buffers, plan.padded_tokens // self.buffers.q)
+            launch_prep(self.buffers, padded_size)
 
     def __del__(self) -> None:
         if getattr(self, "_upload", None) is not None:
@@ -105,5 +106,4 @@ class DeviceMetadataBackend(MetadataBackend):
 
     def _capture(self, buckets: BucketTable) -> None:
         self.buffers.staging[:HEADER_WORDS].zero_()  # warm-up with N = 0: dummy rows only
-        q = self.buffers.q
-        self._graphs = capture_per_bucket(buckets.sizes, lambda s: launch_prep(self.buffers, s // q))
+        self._graphs = capture_per_bucket(buckets.sizes, lambda s: launch_prep(self.buffers, s))

@@ -1,7 +1,7 @@
 """One CUDA graph per bucket: the capture both the prep-only backend and the runner use."""
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 

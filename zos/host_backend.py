@@ -16,17 +16,16 @@ import torch
 
 from zos import staging
 from zos.backend import MetadataBackend, StepPlan
-from zos.buffers import PAD_SLOT_ID, DecodeBuffers
 from zos.buckets import BucketTable
+from zos.buffers import PAD_SLOT_ID, DecodeBuffers
 from zos.step import DecodeStep
-
 
 _H, _R = staging.HEADER_WORDS, staging.RECORD_WORDS  # numba freezes globals at compile time
 
 
 @numba.njit(cache=True, nogil=True)
 def _build_rows(rec, sampled, accepted, q, block_size, pad_token_id, seq_len_fill, padded_reqs,
-                input_ids, positions, slot_mapping, seq_lens, qsl, block_table, num_blocks,
+                input_ids, positions, slot_mapping, seq_lens, qsl, block_table, num_blocks_per_row,
                 scratch_pos, scratch_nb, scratch_bt, bt_compact):  # pragma: no cover - numba
     """Apply one staging record (csrc/staging.h) to the host rows; returns C, the
     block-table columns to upload, and writes rows [0, padded_reqs) x [0, C) of
@@ -39,12 +38,12 @@ def _build_rows(rec, sampled, accepted, q, block_size, pad_token_id, seq_len_fil
         j = rec[_H + r]
         if j >= 0 and j != r:
             scratch_pos[r] = positions[j * q]
-            nb = num_blocks[j]
+            nb = num_blocks_per_row[j]
             scratch_nb[r] = nb
             scratch_bt[r, :nb] = block_table[j, :nb]
     cols = 0
     for r in range(padded_reqs):
-        old_nb = num_blocks[r]
+        old_nb = num_blocks_per_row[r]
         if r < n:
             src = rec[_H + r]
             k = rec[_H + n + r]
@@ -69,7 +68,7 @@ def _build_rows(rec, sampled, accepted, q, block_size, pad_token_id, seq_len_fil
                 block_table[r, col0:col0 + cnt] = rec[off:off + cnt]
                 nb_new = col0 + cnt
             block_table[r, nb_new:old_nb] = 0
-            num_blocks[r] = nb_new
+            num_blocks_per_row[r] = nb_new
             for t in range(q):
                 p = pos0 + t
                 positions[r * q + t] = p
@@ -79,7 +78,7 @@ def _build_rows(rec, sampled, accepted, q, block_size, pad_token_id, seq_len_fil
             seq_lens[r] = pos0 + q
         else:
             block_table[r, :old_nb] = 0
-            num_blocks[r] = 0
+            num_blocks_per_row[r] = 0
             nb_new = 0
             for t in range(q):
                 input_ids[r * q + t] = pad_token_id
@@ -109,12 +108,14 @@ class HostMetadataBackend(MetadataBackend):
 
     name = "host"
 
-    def __init__(self, buffers: DecodeBuffers, *, num_blocks: int, vocab_size: int,
+    def __init__(self, buffers: DecodeBuffers, *, num_kv_blocks: int, vocab_size: int,
                  buckets: BucketTable | None = None) -> None:
-        super().__init__(buffers, num_blocks=num_blocks, vocab_size=vocab_size, buckets=buckets)
+        super().__init__(buffers, num_kv_blocks=num_kv_blocks, vocab_size=vocab_size,
+                         buckets=buckets)
         b = buffers
         cuda = b.device.type == "cuda"
-        r, t, w = b.max_reqs, b.max_reqs * b.q, b.max_blocks_per_seq
+        q = b.uniform_decode_query_len
+        r, t, w = b.max_num_reqs, b.max_num_reqs * q, b.max_num_blocks_per_req
 
         def pinned(n, dtype=torch.int32, fill=0):
             return torch.full((n,), fill, dtype=dtype, pin_memory=cuda)
@@ -129,7 +130,7 @@ class HostMetadataBackend(MetadataBackend):
         self._bt_device = torch.zeros(r * w, dtype=torch.int32, device=b.device)
         self._record = np.zeros(b.staging.numel(), np.int32)
         self._block_table = np.zeros((r, w), np.int32)
-        self._num_blocks = np.zeros(r, np.int32)
+        self._num_blocks_per_row = np.zeros(r, np.int32)
         self._scratch_pos = np.zeros(r, np.int32)
         self._scratch_nb = np.zeros(r, np.int32)
         self._scratch_bt = np.zeros((r, w), np.int32)
@@ -137,7 +138,7 @@ class HostMetadataBackend(MetadataBackend):
         self._np = {k: v.numpy() for k, v in self._h.items()}
         self._np.update(sampled=self._sampled.numpy(), bt_compact=self._bt_compact.numpy())
 
-    def stage(self, step: DecodeStep) -> StepPlan:
+    def _stage(self, step: DecodeStep) -> StepPlan:
         """Pack, rebuild on the host and enqueue the copies of rows [0, bucket)."""
         b, h = self.buffers, self._h
         if self._fence is not None:
@@ -149,12 +150,13 @@ class HostMetadataBackend(MetadataBackend):
         plan = self.plan(step.num_reqs)
         if prev:
             self._sampled[:prev].copy_(b.sampled[:prev])  # synchronous read-back
-        t, r = plan.padded_tokens, plan.padded_tokens // b.q
+        t, r = plan.padded_size, plan.padded_size // b.uniform_decode_query_len
         a = self._np
-        cols = _build_rows(self._record, a["sampled"], self._accepted, b.q, b.block_size,
+        cols = _build_rows(self._record, a["sampled"], self._accepted,
+                           b.uniform_decode_query_len, b.block_size,
                            b.pad_token_id, b.seq_len_fill, r, a["input_ids"], a["positions"],
                            a["slot_mapping"], a["seq_lens"], a["query_start_loc"],
-                           self._block_table, self._num_blocks, self._scratch_pos,
+                           self._block_table, self._num_blocks_per_row, self._scratch_pos,
                            self._scratch_nb, self._scratch_bt, a["bt_compact"])
         h["counts"][0], h["counts"][1] = plan.num_reqs, plan.num_tokens
         sizes = dict(input_ids=t, positions=t, slot_mapping=t, seq_lens=r,
@@ -172,5 +174,5 @@ class HostMetadataBackend(MetadataBackend):
         self.last_upload_bytes = nbytes
         return plan
 
-    def build(self, plan: StepPlan) -> None:
+    def build(self, padded_size: int) -> None:
         """Nothing to do on the device: ``stage`` already enqueued the copies."""

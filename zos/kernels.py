@@ -1,6 +1,8 @@
 """Launchers of the prep kernels: check the buffers, then launch with fixed grids."""
 from __future__ import annotations
 
+import zos._interpret  # noqa: F401  (sets TRITON_INTERPRET before triton is imported)
+
 import triton
 
 from zos import staging
@@ -8,35 +10,39 @@ from zos.buffers import DecodeBuffers
 from zos.triton_kernels.prep import rebuild_rows, snapshot_moved_rows
 
 
-def launch_prep(buffers: DecodeBuffers, padded_reqs: int) -> None:
-    """Rebuild the metadata of request rows [0, padded_reqs) in place.
+def launch_prep(buffers: DecodeBuffers, padded_size: int) -> None:
+    """Rebuild the metadata of a step padded to ``padded_size`` token rows, in place.
 
     Reads the staged record in ``buffers.staging`` (real row count N at word 0),
-    ``buffers.sampled`` and ``buffers.accepted`` (int32 [max_reqs], written by the
+    ``buffers.sampled`` and ``buffers.accepted`` (int32 [max_num_reqs], written by the
     previous step's sampler), and the previous step's rows. Writes, in place,
-    ``input_ids``, ``positions``, ``slot_mapping`` (token rows [0, padded_reqs*q)),
-    ``seq_lens``, ``query_start_loc``, ``block_table``, ``num_blocks`` (request
-    rows) and ``counts``; rows [N, padded_reqs) get dummy values. Two launches,
-    no host synchronisation and no host value of N: capturable once per bucket.
+    ``input_ids``, ``positions``, ``slot_mapping`` (token rows [0, padded_size)),
+    ``seq_lens``, ``query_start_loc``, ``block_table``, ``num_blocks_per_row`` (request
+    rows [0, padded_size // q)) and ``counts``; rows past the real N get dummy values.
+    Two launches, grid (padded_size // q,), no host synchronisation and no host value of
+    N: capturable once per bucket.
 
     Raises:
-        ValueError: padded_reqs outside [1, buffers.max_reqs].
+        ValueError: padded_size not a multiple of q in [1, max_num_reqs * q].
     """
-    if not isinstance(padded_reqs, int) or not 1 <= padded_reqs <= buffers.max_reqs:
-        raise ValueError(f"padded_reqs must be an int in [1, {buffers.max_reqs}], got {padded_reqs!r}")
-    b = buffers
-    w = b.max_blocks_per_seq
+    b, q = buffers, buffers.uniform_decode_query_len
+    if (not isinstance(padded_size, int) or not 1 <= padded_size <= b.max_num_reqs * q
+            or padded_size % q):
+        raise ValueError(f"padded_size must be a multiple of uniform_decode_query_len={q} in "
+                         f"[1, {b.max_num_reqs * q}], got {padded_size!r}")
+    padded_reqs = padded_size // q
+    w = b.max_num_blocks_per_req
     block_w = min(256, triton.next_power_of_2(w))
     grid = (padded_reqs,)
     snapshot_moved_rows[grid](
-        b.staging, b.positions, b.num_blocks, b.block_table,
-        b.scratch_pos, b.scratch_num_blocks, b.scratch_block_table, w,
-        Q=b.q, BLOCK_W=block_w, HEADER=staging.HEADER_WORDS)
+        b.staging, b.positions, b.num_blocks_per_row, b.block_table,
+        b.scratch_pos, b.scratch_num_blocks_per_row, b.scratch_block_table, w,
+        Q=b.uniform_decode_query_len, BLOCK_W=block_w, HEADER=staging.HEADER_WORDS)
     rebuild_rows[grid](
         b.staging, b.sampled, b.accepted,
         b.input_ids, b.positions, b.slot_mapping, b.seq_lens, b.query_start_loc,
-        b.block_table, b.num_blocks, b.counts,
-        b.scratch_pos, b.scratch_num_blocks, b.scratch_block_table,
+        b.block_table, b.num_blocks_per_row, b.counts,
+        b.scratch_pos, b.scratch_num_blocks_per_row, b.scratch_block_table,
         w, b.block_size, b.pad_token_id, b.seq_len_fill,
-        Q=b.q, Q_POW2=triton.next_power_of_2(b.q), BLOCK_W=block_w,
+        Q=b.uniform_decode_query_len, Q_POW2=triton.next_power_of_2(b.uniform_decode_query_len), BLOCK_W=block_w,
         HEADER=staging.HEADER_WORDS, RECORD=staging.RECORD_WORDS, M_WORD=staging.NUM_RECORDS)

@@ -20,9 +20,9 @@ NUM_REQS, NUM_TOKENS, PREV_REQS, NUM_RECORDS, NUM_BLOCK_IDS, Q = range(6)
 R_TOKEN, R_POS0, R_COL0, R_COUNT, R_BLK_OFF = range(5)
 
 
-def capacity_words(max_reqs: int, max_blocks_per_seq: int) -> int:
-    """Largest record for ``max_reqs`` rows: every row new with a full block-table row."""
-    return HEADER_WORDS + (2 + RECORD_WORDS) * max_reqs + max_reqs * max_blocks_per_seq
+def capacity_words(max_num_reqs: int, max_num_blocks_per_req: int) -> int:
+    """Largest record for ``max_num_reqs`` rows: every row new with a full block-table row."""
+    return HEADER_WORDS + (2 + RECORD_WORDS) * max_num_reqs + max_num_reqs * max_num_blocks_per_req
 
 
 @dataclass(frozen=True)

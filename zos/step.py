@@ -1,8 +1,8 @@
 """What the scheduler hands a metadata backend for one decode step."""
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -42,7 +42,7 @@ class DecodeStep:
             KV cache for this request).
         new_block_indptr: int32 [M+1], CSR offsets of each new row's block ids.
         new_block_ids: int32 [L], each new row's whole block-table row (ids in
-            [1, num_blocks); block 0 is the null block).
+            [1, num_kv_blocks); block 0 is the null block).
         append_rows: int32 [A], carried rows that get a block this step.
         append_block_ids: int32 [A], the block appended after that row's last.
 
@@ -77,7 +77,7 @@ class DecodeStep:
         req_ids: Sequence[int],
         new: Mapping[int, tuple[int, int, Sequence[int]]] | None = None,
         appends: Iterable[tuple[int, int]] = (),
-    ) -> "DecodeStep":
+    ) -> DecodeStep:
         """Convenience constructor from Python objects.
 
         Args:

@@ -38,7 +38,7 @@ def summarize(result, samples: list | None) -> dict:
                 metadata_us_mean=_mean(us), upload_bytes_median=_median(counted),
                 h2d_bytes_median=_median(h2d) if samples else None, h2d_samples=samples or [],
                 series=dict(step=[r.step for r in dec], num_reqs=[r.num_reqs for r in dec],
-                            padded=[r.padded for r in dec], path=[r.path for r in dec],
+                            padded_size=[r.padded_size for r in dec], path=[r.path for r in dec],
                             metadata_us=us, upload_bytes=counted,
                             seconds=[r.seconds for r in dec]))
 
@@ -102,7 +102,7 @@ def build_report(s: dict, info: dict, slice_, runs: dict, profiled: dict, mismat
                    prompt_tokens=sum(r.prompt_len for r in slice_),
                    output_tokens=sum(r.output_len for r in slice_),
                    max_model_len=s["max_model_len"], block_size=s["block_size"],
-                   num_blocks=s["num_blocks"], max_num_seqs=s["max_num_seqs"],
+                   num_kv_blocks=s["num_kv_blocks"], max_num_seqs=s["max_num_seqs"],
                    bucket_policy=s["bucket_policy"], graphs=s["graphs"], seed=s["seed"],
                    eos="ignored (outputs follow the trace's lengths)",
                    warm_up="2 short requests per backend, graphs off, before the timed runs"),

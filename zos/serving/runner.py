@@ -10,16 +10,15 @@ rows are never sampled, and no host value of N is frozen into the graph. A step 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 import torch
 
-from zos.backend import MetadataBackend, StepPlan
-from zos.models.attention import AttentionMetadata
+from zos.backend import MetadataBackend
+from zos.buffers import StepMetadata
 from zos.graphs import capture_per_bucket
-from zos.staging import HEADER_WORDS
 from zos.step import DecodeStep
 
 
@@ -30,7 +29,7 @@ class DecodeResult:
     Attributes:
         path: "graph" (a captured graph replayed) or "eager".
         num_reqs: real request rows N.
-        padded_tokens: token rows the step ran with (the bucket, or N * q unbucketed).
+        padded_size: token rows the step ran with (the bucket, or N * q unbucketed).
         bucket: the bucket (token rows), or None when no bucket holds N * q.
         prep_us: host microseconds of metadata work: ``stage``, plus ``build`` when eager.
         upload_bytes: bytes the backend uploaded host-to-device for this step.
@@ -38,7 +37,7 @@ class DecodeResult:
 
     path: str
     num_reqs: int
-    padded_tokens: int
+    padded_size: int
     bucket: int | None
     prep_us: float
     upload_bytes: int
@@ -57,16 +56,17 @@ class GraphRunner:
         use_cuda_graph: capture graphs in ``capture()`` (only on CUDA, with buckets).
 
     Raises:
-        ValueError: ``buffers.q != 1`` (speculative decoding is not implemented here), or a
-            device backend that captured its own prep graphs.
+        ValueError: ``buffers.uniform_decode_query_len != 1`` (speculative decoding is not
+            implemented here), or a device backend that captured its own prep graphs.
     """
 
     def __init__(self, model, kv_caches: Sequence[torch.Tensor], backend: MetadataBackend, *,
                  use_cuda_graph: bool) -> None:
         self.model, self.kv_caches, self.backend = model, list(kv_caches), backend
         self.buffers = b = backend.buffers
-        if b.q != 1:
-            raise ValueError(f"GraphRunner samples one token per row: q must be 1, got {b.q}")
+        if b.uniform_decode_query_len != 1:
+            raise ValueError(f"GraphRunner samples one token per row: uniform_decode_query_len "
+                             f"must be 1, got {b.uniform_decode_query_len}")
         if getattr(backend, "captures_prep", False):
             raise ValueError("the device backend must be built with capture_prep=False: its "
                              "build is captured inside this runner's graphs")
@@ -74,7 +74,7 @@ class GraphRunner:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.capture_seconds = 0.0
         self.graph_memory = {"allocated_bytes": 0, "reserved_bytes": 0}
-        self._rows = torch.arange(b.max_reqs, dtype=torch.int32, device=b.device)
+        self._rows = torch.arange(b.max_num_reqs, dtype=torch.int32, device=b.device)
         self._nvtx = torch.cuda.is_available()
         b.accepted.fill_(1)  # plain decode: every row accepts its one token
 
@@ -99,8 +99,7 @@ class GraphRunner:
             return 0
         if self.backend.packer.prev_num_reqs or self.graphs:
             raise RuntimeError("capture() must run before the first decode step")
-        b.staging[:HEADER_WORDS].zero_()
-        b.counts.zero_()
+        b.reset()  # N = 0: warm-up and capture write dummy rows only
         torch.cuda.synchronize()
         torch.cuda.empty_cache()  # torch.cuda.graph empties it too: a comparable baseline
         alloc0, res0 = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
@@ -121,7 +120,7 @@ class GraphRunner:
     def decode(self, step: DecodeStep) -> DecodeResult:
         """Run one decode step; sampled tokens land in ``buffers.sampled[:N]`` (on the device).
 
-        Rows [N, padded) are dummy rows: their ``sampled`` entries keep their old values.
+        Rows [N, padded_size) are dummy rows: their ``sampled`` entries keep their old values.
 
         Raises:
             ValueError: an empty step (N = 0), or the packer's validation errors.
@@ -131,9 +130,9 @@ class GraphRunner:
         self._push("zos.prep")
         t0 = time.perf_counter()
         plan = self.backend.stage(step)
-        graph = self.graphs.get(plan.padded_tokens) if plan.bucketed else None
+        graph = self.graphs.get(plan.padded_size) if plan.bucketed else None
         if graph is None:
-            self.backend.build(plan)
+            self.backend.build(plan.padded_size)
         prep_us = (time.perf_counter() - t0) * 1e6
         self._pop()
         if graph is not None:
@@ -141,29 +140,28 @@ class GraphRunner:
             graph.replay()
             self._pop()
         else:
-            self._body(plan.padded_tokens, build=False, nvtx=True)
+            self._body(plan.padded_size, build=False, nvtx=True)
         return DecodeResult("graph" if graph is not None else "eager", plan.num_reqs,
-                            plan.padded_tokens, plan.padded_tokens if plan.bucketed else None,
+                            plan.padded_size, plan.padded_size if plan.bucketed else None,
                             prep_us, int(self.backend.last_upload_bytes))
 
-    def _body(self, padded: int, build: bool = True, nvtx: bool = False) -> None:
-        """Build (if asked), forward, sample for ``padded`` token rows; what a graph holds."""
+    def _body(self, padded_size: int, build: bool = True, nvtx: bool = False) -> None:
+        """Build (if asked), forward, sample for ``padded_size`` token rows; what a graph
+        holds."""
         b = self.buffers
         if build:
-            self.backend.build(StepPlan(0, 0, padded, True))
-        md = b.views(0, padded)
-        meta = AttentionMetadata(slot_mapping=md.slot_mapping, seq_lens=md.seq_lens,
-                                 query_start_loc=md.query_start_loc, block_table=md.block_table)
+            self.backend.build(padded_size)
+        md = b.views(0, padded_size)
         if nvtx:
             self._push("zos.forward")
         with torch.no_grad():
-            hidden = self.model.forward(md.input_ids, md.positions, self.kv_caches, meta, False)
+            hidden = self.model.forward(md.input_ids, md.positions, self.kv_caches, md, False)
             if nvtx:
                 self._pop()
                 self._push("zos.sample")
             tokens = self.model.compute_logits(hidden).argmax(-1).to(torch.int32)
-            real = self._rows[:padded] < b.counts[0]  # N read on the device
-            b.sampled[:padded].copy_(torch.where(real, tokens, b.sampled[:padded]))
+            real = self._rows[:padded_size] < b.counts[0]  # N read on the device
+            b.sampled[:padded_size].copy_(torch.where(real, tokens, b.sampled[:padded_size]))
         if nvtx:
             self._pop()
 
@@ -176,7 +174,7 @@ class GraphRunner:
         Args:
             seqs: ``(tokens, block_ids)`` per sequence: token ids (positions 0..len-1, all
                 written into the KV cache through their slots) and the sequence's blocks
-                (at least ``ceil(len / block_size)``, ids in [1, num_blocks)).
+                (at least ``ceil(len / block_size)``, ids in [1, num_kv_blocks)).
 
         Returns:
             ``(tokens, prep_us, upload_bytes)``: the sampled next token per sequence (host
@@ -187,7 +185,7 @@ class GraphRunner:
             ValueError: no sequences, an empty sequence, or too few / too many blocks.
         """
         b = self.buffers
-        bs, w = b.block_size, b.max_blocks_per_seq
+        bs, w = b.block_size, b.max_num_blocks_per_req
         if not seqs:
             raise ValueError("prefill: no sequences")
         self._push("zos.prep")
@@ -203,25 +201,29 @@ class GraphRunner:
         row = np.repeat(np.arange(len(seqs)), lens)
         slots = table[row, pos // bs].astype(np.int64) * bs + pos % bs
         dev = b.device
-        ids = torch.from_numpy(np.concatenate([np.asarray(t, np.int64) for t, _ in seqs])).to(dev)
         qsl = np.zeros(len(seqs) + 1, np.int32)
         qsl[1:] = np.cumsum(lens)
-        meta = AttentionMetadata(
+        num_tokens = int(qsl[-1])
+        meta = StepMetadata(
+            input_ids=torch.from_numpy(
+                np.concatenate([np.asarray(t, np.int32) for t, _ in seqs])).to(dev),
+            positions=torch.from_numpy(pos.astype(np.int32)).to(dev),
             slot_mapping=torch.from_numpy(slots).to(dev),
             seq_lens=torch.from_numpy(lens.astype(np.int32)).to(dev),
             query_start_loc=torch.from_numpy(qsl).to(dev),
             block_table=torch.from_numpy(table).to(dev),
+            counts=None, num_reqs=len(seqs), num_tokens=num_tokens, padded_size=num_tokens,
             query_lens_host=lens.tolist(), seq_lens_host=lens.tolist())
         last = torch.from_numpy(qsl[1:].astype(np.int64) - 1).to(dev)
-        positions = torch.from_numpy(pos.astype(np.int32)).to(dev)
         prep_us = (time.perf_counter() - t0) * 1e6
         nbytes = sum(t.numel() * t.element_size() for t in (
-            ids, positions, last, meta.slot_mapping, meta.seq_lens, meta.query_start_loc,
-            meta.block_table))
+            meta.input_ids, meta.positions, last, meta.slot_mapping, meta.seq_lens,
+            meta.query_start_loc, meta.block_table))
         self._pop()
         self._push("zos.prefill")
         with torch.no_grad():
-            hidden = self.model.forward(ids, positions, self.kv_caches, meta, True)
+            hidden = self.model.forward(meta.input_ids, meta.positions, self.kv_caches, meta,
+                                        True)
             out = self.model.compute_logits(hidden[last]).argmax(-1).tolist()
         self._pop()
         return out, prep_us, nbytes

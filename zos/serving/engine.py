@@ -8,17 +8,17 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
 from zos.buffers import DecodeBuffers
 from zos.device_backend import DeviceMetadataBackend
-from zos.engine_types import EngineConfig, Request, RunResult, StepRecord, make_buckets
 from zos.host_backend import HostMetadataBackend
-from zos.kv_blocks import BlockAllocator
-from zos.models import allocate_kv_cache
-from zos.runner import GraphRunner
+from zos.serving.kv_blocks import BlockAllocator
+from zos.serving.models import allocate_kv_cache
+from zos.serving.runner import GraphRunner
+from zos.serving.types import EngineConfig, Request, RunResult, StepRecord, make_buckets
 from zos.step import DecodeStep
 
 
@@ -29,7 +29,7 @@ class Engine:
     decode steps (see ``_place``); a carried row that cannot get a block preempts, by
     recompute, the most recently admitted running request.
 
-    Raises ValueError: unknown backend/policy, or num_blocks too small for one request of
+    Raises ValueError: unknown backend/policy, or num_kv_blocks too small for one request of
     max_model_len.
     """
 
@@ -37,23 +37,24 @@ class Engine:
         c, cfg, bs = model.config, config, config.block_size
         self.model, self.config, self.device = model, config, torch.device(device)
         width = -(-cfg.max_model_len // bs)
-        if cfg.num_blocks - 1 < width:
-            raise ValueError(f"num_blocks {cfg.num_blocks} cannot hold one request of "
+        if cfg.num_kv_blocks - 1 < width:
+            raise ValueError(f"num_kv_blocks {cfg.num_kv_blocks} cannot hold one request of "
                              f"max_model_len {cfg.max_model_len} ({width} blocks + null block)")
         if cfg.backend not in ("zos", "host"):
             raise ValueError(f"backend: expected 'zos' or 'host', got {cfg.backend!r}")
-        self.kv_caches = allocate_kv_cache(c.num_hidden_layers, cfg.num_blocks, bs,
+        self.kv_caches = allocate_kv_cache(c.num_hidden_layers, cfg.num_kv_blocks, bs,
                                            c.num_key_value_heads, c.head_dim,
                                            model.embed_tokens.dtype, self.device)
         self.buffers = DecodeBuffers(cfg.max_num_seqs, width, bs, device=self.device,
                                      pad_token_id=0, seq_len_fill=1)
-        kw = dict(num_blocks=cfg.num_blocks, vocab_size=c.vocab_size, buckets=make_buckets(cfg))
+        kw = dict(num_kv_blocks=cfg.num_kv_blocks, vocab_size=c.vocab_size,
+                  buckets=make_buckets(cfg))
         self.backend = (DeviceMetadataBackend(self.buffers, capture_prep=False, **kw)
                         if cfg.backend == "zos" else HostMetadataBackend(self.buffers, **kw))
         self.runner = GraphRunner(model, self.kv_caches, self.backend,
                                   use_cuda_graph=cfg.use_cuda_graph)
         self.graphs_captured = self.runner.capture()
-        self.allocator = BlockAllocator(cfg.num_blocks)
+        self.allocator = BlockAllocator(cfg.num_kv_blocks)
         self.waiting: deque[Request] = deque()
         self.rows: list[Request | None] = []  # row layout of the last decode step; None = hole
         self.records: list[StepRecord] = []
@@ -201,7 +202,7 @@ class Engine:
             req.num_computed += 1
             if self._append(req, tok):
                 rows[i] = None
-        return self._record("decode", res.path, res.num_reqs, res.padded_tokens, res.prep_us,
+        return self._record("decode", res.path, res.num_reqs, res.padded_size, res.prep_us,
                             res.upload_bytes, t0)
 
 

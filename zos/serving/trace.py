@@ -1,9 +1,9 @@
 """Request traces for ``zos demo``: the Azure LLM inference trace 2023 and synthetic prompts.
 
-The trace (``zos/data/``, CC BY 4.0, see ``zos/data/README.md``) gives, per request, an arrival
-time, a prompt length and an output length, but no text. :func:`trace_slice` takes a slice in
-arrival order and scales the lengths down (an integer divisor, then clamps) so that they fit a
-small model and machine; :func:`synthesize_prompts` fills those lengths with windows of real
+The trace (``zos/serving/data/``, CC BY 4.0, see ``zos/serving/data/README.md``) gives, per
+request, an arrival time, a prompt length and an output length, but no text. :func:`trace_slice`
+takes a slice in arrival order and scales the lengths down (an integer divisor, then clamps) so
+that they fit a small model and machine; :func:`synthesize_prompts` fills those lengths with windows of real
 English prose (the docstrings of a fixed list of Python standard-library modules, tokenized
 once), deterministically by seed.
 """
@@ -16,10 +16,10 @@ import inspect
 import io
 import pydoc
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from importlib import resources
-from typing import Sequence
 
 TRACES = ("conv", "code")
 CORPUS_MODULES = ("argparse", "heapq", "itertools", "collections", "functools", "textwrap",
@@ -54,14 +54,15 @@ def _parse_time(text: str) -> float:
     return t + (float("0." + frac) if frac else 0.0)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def load_trace(name: str) -> tuple[tuple[float, int, int], ...]:
     """All rows of trace ``name`` ("conv" or "code") as ``(timestamp_s, prompt, output)``, in
     file (arrival) order, read from the package data with ``importlib.resources``.
     Raises ValueError for an unknown name."""
     if name not in TRACES:
         raise ValueError(f"trace: expected one of {TRACES}, got {name!r}")
-    path = resources.files("zos").joinpath("data", f"azure_llm_inference_trace_2023_{name}.csv")
+    path = resources.files("zos.serving").joinpath(
+        "data", f"azure_llm_inference_trace_2023_{name}.csv")
     rows = csv.DictReader(io.StringIO(path.read_text(encoding="utf-8")))
     return tuple((_parse_time(r["TIMESTAMP"]), int(r["ContextTokens"]), int(r["GeneratedTokens"]))
                  for r in rows)
@@ -103,7 +104,7 @@ def _docs(module) -> list[str]:
     return [d.strip() for d in out if d and len(d.strip()) > 40]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def corpus_text() -> str:
     """Real English prose: the docstrings of :data:`CORPUS_MODULES` (modules and their public
     classes and functions), concatenated with blank lines. Fixed for a Python version."""

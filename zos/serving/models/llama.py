@@ -11,7 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import AttentionMetadata, decode_attention, prefill_attention, store_kv
+from zos.buffers import StepMetadata
+
+from .attention import decode_attention, prefill_attention, store_kv
 
 
 @dataclass
@@ -33,7 +35,7 @@ class LlamaConfig:
     max_position_embeddings: int = 8192
 
     @classmethod
-    def from_hf(cls, hf_config) -> "LlamaConfig":
+    def from_hf(cls, hf_config) -> LlamaConfig:
         """From a transformers ``LlamaConfig`` (4.x ``rope_theta`` or 5.x ``rope_parameters``).
 
         Raises NotImplementedError for RoPE scaling other than ``default`` and for attention/MLP
@@ -150,16 +152,16 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("rope_sin", emb.sin(), persistent=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[torch.Tensor], meta: AttentionMetadata,
+                kv_caches: list[torch.Tensor], meta: StepMetadata,
                 is_prefill: bool) -> torch.Tensor:
         """Run the decoder over T token rows.
 
         Args:
             input_ids: int32/int64 ``[T]`` token ids (dummy rows: any valid id).
             positions: int32/int64 ``[T]`` positions in ``[0, max_position_embeddings)``.
-            kv_caches: one ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` cache per layer,
-                model dtype; this step's K/V are written in place at ``meta.slot_mapping``.
-            meta: :class:`AttentionMetadata` for this step.
+            kv_caches: one ``[2, num_kv_blocks, block_size, num_kv_heads, head_dim]`` cache per
+                layer, model dtype; this step's K/V are written in place at ``meta.slot_mapping``.
+            meta: :class:`StepMetadata` for this step.
             is_prefill: True: eager :func:`prefill_attention` (needs the host lists); False:
                 capturable :func:`decode_attention` (uniform decode).
 

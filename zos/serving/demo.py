@@ -4,7 +4,7 @@ One command: load SmolLM2-135M-Instruct (or random weights of its shape), take a
 Azure LLM inference trace 2023 (``zos.trace``), fill its scaled prompt lengths with real prose,
 run the same slice through :class:`zos.engine.Engine` with ``backend="host"`` and with
 ``backend="zos"`` (CUDA graphs on a GPU), check that both generate the same tokens, and write a
-report (``zos.demo_report``). On CUDA a second, profiled run of each backend measures the H2D
+report (``zos.serving.report``). On CUDA a second, profiled run of each backend measures the H2D
 bytes of a sample of decode steps with ``torch.profiler``; the timed runs are not profiled.
 Outputs follow the trace's lengths: eos is ignored, as serving benchmarks do.
 """
@@ -17,21 +17,21 @@ import sys
 
 import torch
 
-from zos import trace as ztrace
-from zos.engine import Engine, EngineConfig, Request
+from zos.serving import trace as ztrace
+from zos.serving.engine import Engine, EngineConfig, Request
 
 CPU_DEFAULTS = dict(num_requests=16, scale=4, max_prompt=32, max_output=48, max_num_seqs=8,
                     bucket_policy="none")
 CUDA_DEFAULTS = dict(num_requests=256, scale=4, max_prompt=1024, max_output=256,
                      max_num_seqs=64, bucket_policy="vllm")
 TINY_DEFAULTS = dict(num_requests=10, scale=8, max_prompt=24, max_output=16, max_num_seqs=4)
-TIGHT = 0.5  # auto num_blocks: this share of what max_num_seqs average requests need at the end
+TIGHT = 0.5  # auto num_kv_blocks: this share of what max_num_seqs average requests need at the end
 PROFILE_SAMPLES = 32  # decode steps profiled per backend on CUDA (every k-th step)
 
 
 def tiny_config():
     """A small random Llama (2 layers, hidden 64, vocab 512) for tests (``--tiny``)."""
-    from zos.models import LlamaConfig
+    from zos.serving.models import LlamaConfig
 
     return LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128,
                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -45,7 +45,7 @@ def resolve_settings(args, cuda: bool) -> dict:
     base = dict(CUDA_DEFAULTS if cuda else CPU_DEFAULTS, **(TINY_DEFAULTS if args.tiny else {}))
     s = {k: (v if getattr(args, k, None) is None else getattr(args, k)) for k, v in base.items()}
     s.update(trace=args.trace, start=args.start, block_size=args.block_size, seed=args.seed,
-             num_blocks=args.num_blocks, graphs=cuda and not args.no_graphs,
+             num_kv_blocks=args.num_kv_blocks, graphs=cuda and not args.no_graphs,
              weights=args.weights, tiny=bool(args.tiny))
     for k in ("num_requests", "scale", "max_prompt", "max_output", "max_num_seqs", "block_size"):
         if s[k] < 1:
@@ -65,7 +65,7 @@ def smollm2_tokenizer():
     """SmolLM2's tokenizer from the zos cache or the GGUF, or None when neither is there."""
     import os
 
-    from zos.models.weights import default_cache_dir, smollm2_gguf_path
+    from zos.serving.models.weights import default_cache_dir, smollm2_gguf_path
     try:
         from transformers import AutoTokenizer
 
@@ -81,7 +81,7 @@ def load_model(s: dict, device: torch.device) -> tuple:
     """``(model, tokenizer or None, info)`` for ``s["weights"]`` (auto: real if the SmolLM2
     GGUF or cache is there, else random weights of its shape, said on stderr); float32
     on CPU, bfloat16 on CUDA. ValueError for ``--weights real`` without the GGUF."""
-    from zos.models import load_smollm2, random_llama, smollm2_config
+    from zos.serving.models import load_smollm2, random_llama, smollm2_config
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     info = {"dtype": str(dtype).replace("torch.", "")}
@@ -119,7 +119,7 @@ def build_prompts(lengths: list[int], tokenizer, vocab: int, seed: int) -> tuple
 def engine_config(s: dict, backend: str) -> EngineConfig:
     """The EngineConfig of one run (eos ignored: outputs follow the trace's lengths)."""
     policy = None if s["bucket_policy"] == "none" else s["bucket_policy"]
-    return EngineConfig(block_size=s["block_size"], num_blocks=s["num_blocks"],
+    return EngineConfig(block_size=s["block_size"], num_kv_blocks=s["num_kv_blocks"],
                         max_num_seqs=s["max_num_seqs"], max_model_len=s["max_model_len"],
                         eos_token_id=None, backend=backend, use_cuda_graph=s["graphs"],
                         bucket_policy=policy)
@@ -142,7 +142,7 @@ def run_backend(model, s, backend, device, prompts, slice_, quiet, profile_every
     being ``{"step", "h2d_bytes", "h2d_copies", "counted_bytes"}``."""
     engine, samples = Engine(model, engine_config(s, backend), device), []
     if profile_every:
-        from zos.profiling import profile_device
+        from zos.serving.profiling import profile_device
 
         inner, calls = engine.runner.decode, itertools.count()
 
@@ -192,7 +192,7 @@ def run_demo(args) -> dict:
 
     Returns the report dict (``identical``: both backends generated the same tokens;
     ``paths``: the files written). Raises ValueError for invalid flags."""
-    from zos import demo_report
+    from zos.serving import report as demo_report
 
     say = (lambda *a: None) if args.quiet else print
     cuda = torch.cuda.is_available()
@@ -205,16 +205,16 @@ def run_demo(args) -> dict:
                          f"model's {model.config.max_position_embeddings} positions")
     slice_ = ztrace.trace_slice(s["trace"], s["start"], s["num_requests"], s["scale"],
                                 max_prompt=s["max_prompt"], max_output=s["max_output"])
-    if s["num_blocks"] is None:
-        s["num_blocks"] = auto_num_blocks(slice_, s["block_size"], s["max_num_seqs"],
+    if s["num_kv_blocks"] is None:
+        s["num_kv_blocks"] = auto_num_blocks(slice_, s["block_size"], s["max_num_seqs"],
                                           s["max_model_len"])
     prompts, source = build_prompts([r.prompt_len for r in slice_], tokenizer, vocab, s["seed"])
     info["prompt_source"] = source
     say(f"zos demo on {device.type}: {info['model']} ({info['weights']} weights, "
         f"{info['dtype']}), trace {s['trace']} [{s['start']}, {s['start'] + len(slice_)}) "
         f"scaled 1/{s['scale']}, prompts from {source}")
-    say(f"  max_num_seqs {s['max_num_seqs']}, block {s['block_size']}, num_blocks "
-        f"{s['num_blocks']}, max_model_len {s['max_model_len']}, buckets "
+    say(f"  max_num_seqs {s['max_num_seqs']}, block {s['block_size']}, num_kv_blocks "
+        f"{s['num_kv_blocks']}, max_model_len {s['max_model_len']}, buckets "
         f"{s['bucket_policy']}, graphs {'on' if s['graphs'] else 'off'}")
     warm_up(model, s, device, prompts)
     runs, outs, profiled = {}, {}, {}

@@ -1,8 +1,8 @@
 """The engine's data: requests, configuration, per-step records and run results."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 from zos.buckets import BucketTable, from_policy
 
@@ -29,7 +29,7 @@ class Request:
 
 @dataclass
 class EngineConfig:
-    """Engine sizes and switches. ``num_blocks`` counts the null block 0 and must hold one
+    """Engine sizes and switches. ``num_kv_blocks`` counts the null block 0 and must hold one
     request of ``max_model_len`` (prompt + max_new_tokens limit). ``max_num_seqs``: request rows.
     ``max_prefill_tokens``: tokens per prefill (a longer first request still runs, alone).
     ``eos_token_id``: stop token, kept in the output. ``backend``: "zos" (DeviceMetadataBackend)
@@ -38,7 +38,7 @@ class EngineConfig:
     ``buckets`` (sizes or a BucketTable, token rows) overrides it."""
 
     block_size: int = 16
-    num_blocks: int = 1024
+    num_kv_blocks: int = 1024
     max_num_seqs: int = 64
     max_model_len: int = 2048
     max_prefill_tokens: int = 4096
@@ -52,7 +52,7 @@ class EngineConfig:
 @dataclass(frozen=True)
 class StepRecord:
     """One model run of engine step ``step``: ``kind`` "prefill"/"decode", ``path``
-    "graph"/"eager", ``num_reqs``, ``padded`` (token rows run; prefill: packed tokens),
+    "graph"/"eager", ``num_reqs``, ``padded_size`` (token rows run; prefill: packed tokens),
     ``metadata_us`` (host us of metadata work), ``upload_bytes`` (H2D metadata bytes),
     ``preemptions`` (engine total so far), ``seconds`` (host wall time of the run)."""
 
@@ -60,7 +60,7 @@ class StepRecord:
     kind: str
     path: str
     num_reqs: int
-    padded: int
+    padded_size: int
     metadata_us: float
     upload_bytes: int
     preemptions: int

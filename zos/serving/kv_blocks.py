@@ -2,13 +2,13 @@
 from __future__ import annotations
 
 from collections import deque
-from typing import Iterable
+from collections.abc import Iterable
 
 from zos.buffers import NULL_BLOCK
 
 
 class BlockAllocator:
-    """Hands out KV blocks ``1 .. num_blocks - 1``; block 0 (NULL_BLOCK) is never handed out.
+    """Hands out KV blocks ``1 .. num_kv_blocks - 1``; block 0 (NULL_BLOCK) is never handed out.
 
     Dummy rows of a padded step point at block 0 (docs/ZOS.md, padding ledger rule 4), so
     no request may own it. Freed blocks go to the back of the free list (FIFO), so a
@@ -16,19 +16,19 @@ class BlockAllocator:
     instead of being masked by the same id coming right back.
 
     Args:
-        num_blocks: blocks in the KV cache, including the null block (>= 2).
+        num_kv_blocks: blocks in the KV cache, including the null block (>= 2).
 
     Raises:
-        ValueError: num_blocks < 2.
+        ValueError: num_kv_blocks < 2.
     """
 
-    def __init__(self, num_blocks: int) -> None:
-        if not isinstance(num_blocks, int) or num_blocks < 2:
-            raise ValueError(f"num_blocks must be an int >= 2 (block 0 is reserved), "
-                             f"got {num_blocks!r}")
-        self.num_blocks = num_blocks
-        self._free: deque[int] = deque(range(1, num_blocks))
-        self._used = bytearray(num_blocks)  # 1 where the block is handed out
+    def __init__(self, num_kv_blocks: int) -> None:
+        if not isinstance(num_kv_blocks, int) or num_kv_blocks < 2:
+            raise ValueError(f"num_kv_blocks must be an int >= 2 (block 0 is reserved), "
+                             f"got {num_kv_blocks!r}")
+        self.num_kv_blocks = num_kv_blocks
+        self._free: deque[int] = deque(range(1, num_kv_blocks))
+        self._used = bytearray(num_kv_blocks)  # 1 where the block is handed out
 
     @property
     def num_free(self) -> int:
@@ -36,7 +36,8 @@ class BlockAllocator:
         return len(self._free)
 
     def allocate(self, n: int) -> list[int] | None:
-        """Take ``n`` blocks (ids in [1, num_blocks)); None, and nothing taken, if fewer are free.
+        """Take ``n`` blocks (ids in [1, num_kv_blocks)); None, and nothing taken, if fewer
+        are free.
 
         Raises:
             ValueError: n is negative.
@@ -62,8 +63,8 @@ class BlockAllocator:
         for b in blocks:
             if b == NULL_BLOCK:
                 raise ValueError("free: block 0 is the reserved null block, never handed out")
-            if not 0 < b < self.num_blocks:
-                raise ValueError(f"free: block {b} is outside [1, {self.num_blocks})")
+            if not 0 < b < self.num_kv_blocks:
+                raise ValueError(f"free: block {b} is outside [1, {self.num_kv_blocks})")
             if not self._used[b] or b in seen:
                 raise ValueError(f"free: block {b} is not allocated (double free)")
             seen.add(b)

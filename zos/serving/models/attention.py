@@ -1,6 +1,9 @@
-"""Paged attention for the zos Llama: metadata, KV-cache allocation, KV write, decode and prefill.
+"""Paged attention for the zos Llama: KV-cache allocation, KV write, decode and prefill.
 
-KV cache of one layer: ``[2, num_blocks, block_size, num_kv_heads, head_dim]``, K at ``[0]``,
+The metadata is :class:`zos.buffers.StepMetadata` (decode: views of the static buffers;
+prefill: built by the runner with the host lists ``query_lens_host`` / ``seq_lens_host``).
+
+KV cache of one layer: ``[2, num_kv_blocks, block_size, num_kv_heads, head_dim]``, K at ``[0]``,
 V at ``[1]``. Block 0 is the reserved null block (dummy rows point at it, nothing real is ever
 written there). A flat slot is ``block_id * block_size + offset``.
 GQA convention (as transformers' ``repeat_kv``): query head ``h`` reads KV head
@@ -8,58 +11,34 @@ GQA convention (as transformers' ``repeat_kv``): query head ``h`` reads KV head
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import zos._interpret  # noqa: F401  (sets TRITON_INTERPRET before triton is imported)
 
 import torch
 import triton
 
+from zos.buffers import StepMetadata
 from zos.triton_kernels.kv_cache import store_kv_kernel
 
-PAD_SLOT_ID = -1
 
-
-@dataclass
-class AttentionMetadata:
-    """Per-step attention metadata (device tensors; decode steps pass views of static buffers).
-
-    Fields, with T token rows and R request rows:
-
-    * ``slot_mapping``: int64 ``[T]``, flat KV slot of each token row (``block_id * block_size +
-      offset``); ``PAD_SLOT_ID`` (-1) writes nothing.
-    * ``seq_lens``: int32 ``[R]``, tokens of the sequence including this step's (>= 1; dummy: 1).
-    * ``query_start_loc``: int32 ``[R + 1]``, token-row offsets of each request row.
-    * ``block_table``: int32 ``[R, W]``, block ids per request row (0 = null block).
-    * ``query_lens_host`` / ``seq_lens_host``: host ``list[int]`` of length R, eager prefill only
-      (:func:`prefill_attention`); ``None`` in decode steps.
-    """
-
-    slot_mapping: torch.Tensor
-    seq_lens: torch.Tensor
-    query_start_loc: torch.Tensor
-    block_table: torch.Tensor
-    query_lens_host: list[int] | None = None
-    seq_lens_host: list[int] | None = None
-
-
-def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+def allocate_kv_cache(num_layers: int, num_kv_blocks: int, block_size: int, num_kv_heads: int,
                       head_dim: int, dtype: torch.dtype, device) -> list[torch.Tensor]:
     """Allocate zero-initialised paged KV caches.
 
-    Returns ``num_layers`` tensors, each ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` of
-    ``dtype`` on ``device`` (K at index 0, V at index 1). Raises ValueError if a size is < 1.
+    Returns ``num_layers`` tensors, each ``[2, num_kv_blocks, block_size, num_kv_heads,
+    head_dim]`` of ``dtype`` on ``device`` (K at index 0, V at index 1). Raises ValueError if a size is < 1.
     """
-    for name, val in (("num_layers", num_layers), ("num_blocks", num_blocks),
+    for name, val in (("num_layers", num_layers), ("num_kv_blocks", num_kv_blocks),
                       ("block_size", block_size), ("num_kv_heads", num_kv_heads),
                       ("head_dim", head_dim)):
         if int(val) < 1:
             raise ValueError(f"allocate_kv_cache: {name} must be >= 1, got {val}")
-    shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
+    shape = (2, num_kv_blocks, block_size, num_kv_heads, head_dim)
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
 
 def _check_cache(kv_cache: torch.Tensor, where: str) -> None:
     if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
-        raise ValueError(f"{where}: kv_cache must be [2, num_blocks, block_size, num_kv_heads, "
+        raise ValueError(f"{where}: kv_cache must be [2, num_kv_blocks, block_size, num_kv_heads, "
                          f"head_dim], got {tuple(kv_cache.shape)}")
 
 
@@ -79,10 +58,10 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
     Args:
         k, v: ``[T, num_kv_heads, head_dim]``, same dtype as ``kv_cache``; each row's
             ``num_kv_heads * head_dim`` values contiguous (a row stride is allowed).
-        kv_cache: ``[2, num_blocks, block_size, num_kv_heads, head_dim]``, contiguous; written in
+        kv_cache: ``[2, num_kv_blocks, block_size, num_kv_heads, head_dim]``, contiguous; written in
             place at the slots of ``slot_mapping``.
         slot_mapping: int64 ``[T]``; rows with slot ``< 0`` (PAD_SLOT_ID) or
-            ``>= num_blocks * block_size`` write nothing.
+            ``>= num_kv_blocks * block_size`` write nothing.
 
     Raises:
         ValueError: a shape or device mismatch, a non-contiguous cache (names the field).
@@ -91,7 +70,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
     _check_cache(kv_cache, "store_kv")
     if not kv_cache.is_contiguous():
         raise ValueError("store_kv: kv_cache must be contiguous")
-    _, num_blocks, block_size, hkv, hd = kv_cache.shape
+    _, num_kv_blocks, block_size, hkv, hd = kv_cache.shape
     for name, t in (("k", k), ("v", v)):
         if t.dim() != 3 or tuple(t.shape[1:]) != (hkv, hd) or t.shape[0] != k.shape[0]:
             raise ValueError(f"store_kv: {name} must be [{k.shape[0]}, {hkv}, {hd}], got "
@@ -110,7 +89,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
     block = min(triton.next_power_of_2(row_size), 1024)
     grid = (num_tokens, triton.cdiv(row_size, block))
     store_kv_kernel[grid](k, v, kv_cache[0], kv_cache[1], slot_mapping, k.stride(0), v.stride(0),
-                          row_size, num_blocks * block_size, BLOCK=block)
+                          row_size, num_kv_blocks * block_size, BLOCK=block)
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
@@ -132,7 +111,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Te
     return out.permute(0, 3, 1, 2, 4).reshape(b, lq, hq, d).to(q.dtype)
 
 
-def _check_attn(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+def _check_attn(q: torch.Tensor, kv_cache: torch.Tensor, meta: StepMetadata,
                 where: str) -> None:
     _check_cache(kv_cache, where)
     hkv, hd = kv_cache.shape[3], kv_cache.shape[4]
@@ -147,7 +126,7 @@ def _check_attn(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
                                    "seq_lens": (meta.seq_lens, torch.int32)})
 
 
-def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: StepMetadata,
                      scale: float) -> torch.Tensor:
     """Uniform-decode paged attention; static shapes, no host sync (CUDA-graph capturable).
 
@@ -155,7 +134,7 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMet
         q: ``[T, num_heads, head_dim]`` with ``T = R * q_len``; token row ``r * q_len + t`` belongs
             to request row ``r`` and sits at position ``seq_lens[r] - q_len + t`` (causal inside
             the ``q_len`` tokens).
-        kv_cache: one layer's cache ``[2, num_blocks, block_size, num_kv_heads, head_dim]``, same
+        kv_cache: one layer's cache ``[2, num_kv_blocks, block_size, num_kv_heads, head_dim]``, same
             dtype as q, already holding this step's K/V (see :func:`store_kv`). Not written.
         meta: uses ``block_table`` int32 ``[R, W]`` (all W columns are gathered) and ``seq_lens``
             int32 ``[R]``. A query whose position would be < 0 (e.g. a dummy row with seq_len 1
@@ -188,7 +167,7 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMet
     return out.reshape(t, hq, hd)
 
 
-def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: StepMetadata,
                       scale: float) -> torch.Tensor:
     """Eager variable-length prefill attention over the paged cache (not capturable).
 
@@ -200,7 +179,7 @@ def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMe
 
     Args:
         q: ``[T, num_heads, head_dim]``, ``T = sum(query_lens_host)``.
-        kv_cache: one layer's cache ``[2, num_blocks, block_size, num_kv_heads, head_dim]``.
+        kv_cache: one layer's cache ``[2, num_kv_blocks, block_size, num_kv_heads, head_dim]``.
         meta: ``block_table`` int32 ``[R, W]``, ``seq_lens`` int32 ``[R]`` (checked for shape
             only), host lists ``query_lens_host`` / ``seq_lens_host`` of length R.
         scale: softmax scale.
