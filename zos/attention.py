@@ -178,8 +178,9 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table:
         out: optional ``[T, num_heads, head_dim]`` in q's dtype on q's device (any strides);
             written in place and returned. Allocated when None.
         num_splits: number of KV splits (>= 1); None picks :func:`default_num_splits` from
-            ``R``, ``num_kv_heads`` and ``W``. Capped at the number of ``BLOCK_N``-token tiles
-            in ``W * block_size``. With 1 split the result is written directly (no reduce).
+            ``R``, ``num_kv_heads`` and ``W`` on a GPU, and 1 in Triton's CPU interpreter.
+            Capped at the number of ``BLOCK_N``-token tiles in ``W * block_size``. With 1 split
+            the result is written directly (no reduce).
 
     Returns:
         ``out``: ``[T, num_heads, head_dim]`` in q's dtype.
@@ -212,8 +213,9 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table:
 
     block_n = _block_n(q.dtype)
     tiles = triton.cdiv(w * block_size, block_n)
-    if num_splits is None:
-        num_splits = default_num_splits(r, hkv, w, block_size, block_n)
+    if num_splits is None:  # the interpreter runs programs one by one: splitting only costs
+        num_splits = (1 if _interpreted(q.device)
+                      else default_num_splits(r, hkv, w, block_size, block_n))
     num_splits = min(num_splits, tiles)
     block_m = max(16, triton.next_power_of_2(q_len * group))
     block_d = max(16, triton.next_power_of_2(hd))

@@ -16,6 +16,7 @@ import zos._interpret  # noqa: F401  (sets TRITON_INTERPRET before triton is imp
 import torch
 import triton
 
+from zos.attention import paged_decode_attention
 from zos.buffers import StepMetadata
 from zos.triton_kernels.kv_cache import store_kv_kernel
 
@@ -25,7 +26,8 @@ def allocate_kv_cache(num_layers: int, num_kv_blocks: int, block_size: int, num_
     """Allocate zero-initialised paged KV caches.
 
     Returns ``num_layers`` tensors, each ``[2, num_kv_blocks, block_size, num_kv_heads,
-    head_dim]`` of ``dtype`` on ``device`` (K at index 0, V at index 1). Raises ValueError if a size is < 1.
+    head_dim]`` of ``dtype`` on ``device`` (K at index 0, V at index 1). Raises ValueError if a
+    size is < 1.
     """
     for name, val in (("num_layers", num_layers), ("num_kv_blocks", num_kv_blocks),
                       ("block_size", block_size), ("num_kv_heads", num_kv_heads),
@@ -128,43 +130,28 @@ def _check_attn(q: torch.Tensor, kv_cache: torch.Tensor, meta: StepMetadata,
 
 def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: StepMetadata,
                      scale: float) -> torch.Tensor:
-    """Uniform-decode paged attention; static shapes, no host sync (CUDA-graph capturable).
+    """Uniform-decode paged attention: :func:`zos.attention.paged_decode_attention` (Triton,
+    flash-decoding) on ``meta.block_table`` and ``meta.seq_lens``, no gather; static shapes,
+    no host sync (CUDA-graph capturable), and the same kernel in Triton's CPU interpreter.
 
     Args:
-        q: ``[T, num_heads, head_dim]`` with ``T = R * q_len``; token row ``r * q_len + t`` belongs
-            to request row ``r`` and sits at position ``seq_lens[r] - q_len + t`` (causal inside
-            the ``q_len`` tokens).
-        kv_cache: one layer's cache ``[2, num_kv_blocks, block_size, num_kv_heads, head_dim]``, same
-            dtype as q, already holding this step's K/V (see :func:`store_kv`). Not written.
-        meta: uses ``block_table`` int32 ``[R, W]`` (all W columns are gathered) and ``seq_lens``
-            int32 ``[R]``. A query whose position would be < 0 (e.g. a dummy row with seq_len 1
-            and q_len 2) attends to key 0 only. Output is finite as long as every gathered
-            block holds finite values (masked keys still enter as 0 * V; the cache is zero-filled).
+        q: ``[T, num_heads, head_dim]`` with ``T = R * q_len``; token row ``r * q_len + t``
+            belongs to request row ``r`` and sits at position ``seq_lens[r] - q_len + t``
+            (causal inside the ``q_len`` tokens; a negative position attends to key 0 only).
+        kv_cache: one layer's cache ``[2, num_kv_blocks, block_size, num_kv_heads, head_dim]``,
+            same dtype as q, already holding this step's K/V (see :func:`store_kv`). Not
+            written. Only the blocks covering positions < seq_len of each row are read (a dummy
+            row, seq_len 1 and a null row, reads block 0 only).
+        meta: uses ``block_table`` int32 ``[R, W]`` and ``seq_lens`` int32 ``[R]``.
         scale: softmax scale (usually ``head_dim ** -0.5``).
 
     Returns:
         ``[T, num_heads, head_dim]`` in q's dtype (computed in float32).
 
     Raises:
-        ValueError / TypeError: shape, device / dtype mismatches, or T not a multiple of R.
+        ValueError / TypeError: shape, device or dtype mismatches (from the launcher).
     """
-    _check_attn(q, kv_cache, meta, "decode_attention")
-    bt = meta.block_table
-    r, w = bt.shape
-    t, hq, hd = q.shape
-    if r == 0 or t % r != 0:
-        raise ValueError(f"decode_attention: T={t} must be a positive multiple of R={r}")
-    q_len = t // r
-    _, _, bs, hkv, _ = kv_cache.shape
-    idx = bt.reshape(-1).long()
-    k = kv_cache[0].index_select(0, idx).reshape(r, w * bs, hkv, hd)
-    v = kv_cache[1].index_select(0, idx).reshape(r, w * bs, hkv, hd)
-    kpos = torch.arange(w * bs, device=q.device)
-    qpos = meta.seq_lens.long()[:, None] - q_len + torch.arange(q_len, device=q.device)[None, :]
-    qpos = qpos.clamp_min(0)  # [R, q_len]
-    allowed = kpos[None, None, :] <= qpos[:, :, None]  # [R, q_len, W * bs]
-    out = _attend(q.reshape(r, q_len, hq, hd), k, v, allowed, scale)
-    return out.reshape(t, hq, hd)
+    return paged_decode_attention(q, kv_cache, meta.block_table, meta.seq_lens, scale)
 
 
 def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: StepMetadata,
