@@ -17,6 +17,7 @@ from zos.device_backend import DeviceMetadataBackend
 from zos.host_backend import HostMetadataBackend
 from zos.serving.kv_blocks import BlockAllocator
 from zos.serving.models import allocate_kv_cache
+from zos.serving.readback import SampledReadback
 from zos.serving.runner import GraphRunner
 from zos.serving.types import EngineConfig, Request, RunResult, StepRecord, make_buckets
 from zos.step import DecodeStep
@@ -29,11 +30,19 @@ class Engine:
     decode steps (see ``_place``); a carried row that cannot get a block preempts, by
     recompute, the most recently admitted running request.
 
+    ``overlap``: the host schedules and stages step t+1 while the GPU runs step t (SGLang's
+    overlap scheduler, vLLM's async scheduling): sampled tokens come back through a
+    non-blocking copy (:class:`SampledReadback`) read one step late, so a request that emits
+    eos at step t is seen at t+1 and the token its row produced in t+1 is dropped. KV safety
+    under preemption comes from stream order: a freed block's next owner is written by work
+    enqueued after the step that last wrote it. Tokens are identical with and without overlap.
+
     Raises ValueError: unknown backend/policy, or num_kv_blocks too small for one request of
     max_model_len.
     """
 
-    def __init__(self, model, config: EngineConfig, device: torch.device | str = "cpu") -> None:
+    def __init__(self, model, config: EngineConfig, device: torch.device | str = "cpu", *,
+                 overlap: bool = False) -> None:
         c, cfg, bs = model.config, config, config.block_size
         self.model, self.config, self.device = model, config, torch.device(device)
         width = -(-cfg.max_model_len // bs)
@@ -59,6 +68,8 @@ class Engine:
         self.rows: list[Request | None] = []  # row layout of the last decode step; None = hole
         self.records: list[StepRecord] = []
         self.num_preemptions, self.num_steps, self._admitted = 0, 0, 0
+        self.overlap = overlap
+        self.readback = SampledReadback(cfg.max_num_seqs, self.device)
 
     def add_request(self, req: Request) -> None:
         """Queue ``req`` (behind earlier ones). ValueError: empty prompt, token outside the
@@ -72,18 +83,25 @@ class Engine:
         self.waiting.append(req)
 
     def has_unfinished(self) -> bool:
-        """Whether any request waits or runs."""
-        return bool(self.waiting) or any(r is not None for r in self.rows)
+        """Whether any request waits or runs, or a decode step's tokens are still on their way."""
+        return (bool(self.waiting) or any(r is not None for r in self.rows)
+                or bool(self.readback.pending))
 
     def step(self, progress: Callable[[StepRecord], None] | None = None) -> list[StepRecord]:
         """One engine step: admit + one eager prefill, then one decode of every running row."""
         out, self.num_steps = [], self.num_steps + 1
+        self._retire()
         fresh = self._admit()
         if fresh:
             out.append(self._prefill(fresh))
             fresh = [r for r in fresh if r.finish_reason is None]
         rec = self._decode(fresh) if fresh or any(r is not None for r in self.rows) else None
         out += [rec] if rec is not None else []
+        # Tokens of earlier steps: all of them in sync mode; all but the step just launched
+        # under overlap (read while the GPU runs it), or all when nothing was launched.
+        keep = 1 if self.overlap and rec is not None else 0
+        while len(self.readback.pending) > keep:
+            self._drain()
         for rec in out:
             self.records.append(rec)
             if progress is not None:
@@ -168,8 +186,12 @@ class Engine:
         self.waiting.appendleft(req)
 
     def _decode(self, fresh: list[Request]) -> StepRecord | None:
-        """Blocks for carried rows (preempting if none is free), row layout, one decode, read
-        the sampled tokens of rows [0, N) back, finish on eos / length (the row becomes a hole)."""
+        """Blocks for carried rows (preempting if none is free), row layout, one decode launch,
+        and the copy of its sampled tokens queued for :meth:`_drain` (a finished row becomes a
+        hole at the next :meth:`_retire`). Under overlap nothing here waits for the GPU: the
+        carried rows' input tokens are read by the prep from ``buffers.sampled`` on the device,
+        positions advance by the count of launched steps, and blocks are allocated for the
+        position the step writes, known before any token comes back."""
         t0, bs, rows = time.perf_counter(), self.config.block_size, self.rows
         appended: dict[int, int] = {}  # req_id -> block appended this step
         for i, req in enumerate(rows):  # carried rows whose next position opens a block
@@ -197,13 +219,33 @@ class Engine:
              for i, r in enumerate(rows) if id(r) in new},
             [(i, appended[r.req_id]) for i, r in enumerate(rows) if r.req_id in appended])
         res = self.runner.decode(step)
-        sampled = self.buffers.sampled[:len(rows)].tolist()  # one D2H copy
-        for i, (req, tok) in enumerate(zip(rows, sampled)):
+        for req in rows:  # the token this step writes into the KV cache
             req.num_computed += 1
-            if self._append(req, tok):
-                rows[i] = None
+        self.readback.push(self.buffers.sampled, [(r, r.num_preemptions) for r in rows])
         return self._record("decode", res.path, res.num_reqs, res.padded_size, res.prep_us,
                             res.upload_bytes, t0)
+
+    def _drain(self) -> None:
+        """Append the tokens of the oldest pending decode step. A request that finished or was
+        preempted after that step was launched drops its token (its next one is recomputed)."""
+        rows, tokens = self.readback.pop()
+        for (req, epoch), tok in zip(rows, tokens):
+            if req.finish_reason is None and req.num_preemptions == epoch:
+                self._append(req, tok)
+
+    def _retire(self) -> None:
+        """Turn rows into holes whose request finished (eos seen by the last drain) or has all
+        its tokens generated or in flight (a length finish known before the tokens arrive)."""
+        for i, req in enumerate(self.rows):
+            if req is not None and (req.finish_reason is not None or
+                                    len(req.output) + _in_flight(req) >= req.max_new_tokens):
+                self.rows[i] = None
+
+
+def _in_flight(req: Request) -> int:
+    """Tokens launched but not read back yet: a request's KV holds its prompt and every output
+    token but the last one, plus one entry per launched step."""
+    return req.num_computed - len(req.prompt) - len(req.output) + 1
 
 
 def _place(rows: list, fresh: list) -> None:

@@ -1,0 +1,73 @@
+"""Sampled tokens back to the host without a blocking copy: the engine's side of overlap.
+
+After each decode launch the engine enqueues a non-blocking D2H copy of ``sampled[:N]`` into
+one of a ring of pinned buffers and records an event; it reads the tokens later (one step late
+under overlap, at once otherwise) by waiting on that event only. This is how SGLang's overlap
+scheduler and vLLM's async scheduling get their outputs: the host never waits on the stream
+as a whole, only on the one copy it needs.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Pending:
+    """One decode step's tokens on their way to the host.
+
+    Attributes:
+        rows: what the engine needs to route the tokens: one entry per real row (the engine's
+            own per-row record, e.g. the request and its preemption count at launch).
+        slot: index of the pinned buffer holding the copy.
+        event: CUDA event recorded after the copy (None off CUDA: the copy is synchronous).
+    """
+
+    rows: list
+    slot: int
+    event: torch.cuda.Event | None
+
+
+class SampledReadback:
+    """A ring of ``depth`` pinned int32 buffers of ``max_num_reqs`` entries.
+
+    Args:
+        max_num_reqs: rows per copy at most.
+        device: where ``sampled`` lives; pinned memory and events only on CUDA.
+        depth: copies that may be pending at once (>= 2: one in flight while one is read).
+
+    Raises:
+        ValueError: depth < 1, or ``push`` with more pending copies than ``depth``.
+    """
+
+    def __init__(self, max_num_reqs: int, device: torch.device, depth: int = 3) -> None:
+        if depth < 1:
+            raise ValueError(f"depth must be >= 1, got {depth}")
+        self.cuda = device.type == "cuda"
+        self._bufs = [torch.zeros(max_num_reqs, dtype=torch.int32, pin_memory=self.cuda)
+                      for _ in range(depth)]
+        self._events = [torch.cuda.Event() if self.cuda else None for _ in range(depth)]
+        self._next = 0
+        self.pending: deque[Pending] = deque()
+
+    def push(self, sampled: torch.Tensor, rows: list) -> None:
+        """Enqueue the copy of ``sampled[:len(rows)]`` (int32, on the device) on the current
+        stream, after the work that writes it; ``rows`` travels with it to :meth:`pop`."""
+        if len(self.pending) == len(self._bufs):
+            raise ValueError(f"{len(self.pending)} copies pending already (depth "
+                             f"{len(self._bufs)}): pop one first")
+        k, n = self._next, len(rows)
+        self._next = (k + 1) % len(self._bufs)
+        self._bufs[k][:n].copy_(sampled[:n], non_blocking=self.cuda)
+        if self.cuda:
+            self._events[k].record()
+        self.pending.append(Pending(rows, k, self._events[k]))
+
+    def pop(self) -> tuple[list, list[int]]:
+        """Wait for the oldest pending copy only; returns its ``rows`` and tokens (host ints)."""
+        p = self.pending.popleft()
+        if p.event is not None:
+            p.event.synchronize()
+        return p.rows, self._bufs[p.slot][:len(p.rows)].tolist()
