@@ -1,12 +1,14 @@
-"""Tests for zos.buckets and the ``zos buckets`` CLI (exact, seeded, no GPU)."""
+"""Tests for zos.buckets (tables, policies, the POLICIES registry) and the engine's make_buckets
+(exact, seeded, no GPU). The ``zos buckets`` CLI is tested in test_cli.py."""
+import inspect
 from fractions import Fraction
 
 import numpy as np
 import pytest
 
 from zos import buckets as B
-from zos.buckets import BucketTable
-from zos.cli import main
+from zos.buckets import POLICIES, BucketTable
+from zos.serving.types import EngineConfig, make_buckets
 
 VLLM_512 = [1, 2, 4] + list(range(8, 256, 8)) + list(range(256, 513, 16))
 
@@ -28,9 +30,14 @@ def all_tables():
 
 def test_vllm_default_sizes_and_count():
     t = B.vllm_policy()
-    assert list(t.sizes) == VLLM_512 and len(t) == 51 and t.max_size == 512 and t.uniform_decode_query_len == 1
+    assert list(t.sizes) == VLLM_512 and len(t) == 51 and t.max_size == 512
+    assert t.uniform_decode_query_len == 1
     assert B.from_policy("vllm", max_capture_size=512).sizes == t.sizes
-    assert list(B.vllm_policy(100).sizes) == [1, 2, 4] + list(range(8, 97, 8))
+    # vLLM itself caps at its grid; zos adds the max (include_max, default)
+    assert list(B.vllm_policy(100, include_max=False).sizes) == [1, 2, 4] + list(range(8, 97, 8))
+    assert list(B.vllm_policy(100).sizes) == [1, 2, 4] + list(range(8, 97, 8)) + [100]
+    assert B.vllm_policy(12, include_max=False).sizes == (1, 2, 4, 8)
+    assert B.vllm_policy(12).sizes == (1, 2, 4, 8, 12)
 
 
 def test_vllm_worst_cases_exact():
@@ -45,16 +52,71 @@ def test_vllm_worst_cases_exact():
     assert (w.bucket, w.worst_n, Fraction(w.worst_waste)) == (16, 9, Fraction(7, 16))
 
 
-def test_vllm_draft_tokens():
-    t = B.vllm_policy(num_draft_tokens=3)
-    assert t.uniform_decode_query_len == 4 and t.sizes == tuple(s for s in VLLM_512 if s % 4 == 0)
-    t = B.vllm_policy(num_draft_tokens=2)
-    assert t.sizes == tuple(s for s in VLLM_512 if s % 3 == 0) and t.sizes[0] == 24
-    r = B.vllm_policy(num_draft_tokens=2, spec_rounding="round_up")
-    # 512 rounds to 513 > max and is dropped
-    assert r.sizes[:7] == (3, 6, 9, 18, 24, 33, 42) and r.max_size == 498
-    assert B.vllm_policy(4, num_draft_tokens=3, spec_rounding="round_up").sizes == (4,)
-    with pytest.raises(ValueError, match="num_draft_tokens"):
+def vllm_reference(mx, k, rounding="round_up", include_max=True):
+    """vLLM's grid up to mx, each size rounded up to a multiple of q = 1 + k by counting up (or
+    dropped unless a multiple, "filter"), kept if <= mx, plus the largest multiple of q <= mx."""
+    q, out = k + 1, []
+    for s in [1, 2, 4] + list(range(8, 256, 8)) + list(range(256, mx + 1, 16)):
+        if s > mx or (rounding == "filter" and s % q):
+            continue
+        r = s
+        while r % q:
+            r += 1
+        if r <= mx and r not in out:
+            out.append(r)
+    top = mx
+    while top % q:
+        top -= 1
+    if include_max and top > 0 and top not in out:
+        out.append(top)
+    return tuple(sorted(out))
+
+
+@pytest.mark.parametrize("mx,k,rounding,expected", [
+    (42, 6, "round_up", (7, 14, 21, 28, 35, 42)),  # 6 requests x 7 rows fit exactly
+    (96, 2, "round_up", (3, 6, 9, 18, 24, 33, 42, 48, 57, 66, 72, 81, 90, 96)),
+    (96, 2, "filter", (24, 48, 72, 96)),
+    (42, 6, "filter", (42,)),  # no grid size is a multiple of 7: only the max
+    (4, 3, "round_up", (4,)),
+    (12, 0, "round_up", (1, 2, 4, 8, 12)),
+])
+def test_vllm_spec_exact(mx, k, rounding, expected):
+    assert B.vllm_policy(mx, num_draft_tokens=k, spec_rounding=rounding).sizes == expected
+    assert vllm_reference(mx, k, rounding) == expected
+
+
+def test_vllm_spec_default_is_round_up():
+    assert B.from_policy("vllm", max_capture_size=42, num_draft_tokens=6).sizes == (
+        7, 14, 21, 28, 35, 42)
+    default = inspect.signature(B.vllm_policy).parameters["spec_rounding"].default
+    assert default == B.SPEC_ROUNDINGS[0] == "round_up"
+    # q = 3 at 512: 512 rounds up to 513 > max and is dropped; vLLM stops at 498, zos adds 510
+    assert B.vllm_policy(512, num_draft_tokens=2).sizes[-3:] == (480, 498, 510)
+    assert B.vllm_policy(512, num_draft_tokens=2, include_max=False).sizes[-3:] == (465, 480, 498)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4])
+@pytest.mark.parametrize("rounding", B.SPEC_ROUNDINGS)
+@pytest.mark.parametrize("include_max", [True, False])
+@pytest.mark.parametrize("mx", [512, 100, 42, 7])
+def test_vllm_spec_against_reference(mx, k, rounding, include_max):
+    q = k + 1
+    ref = vllm_reference(mx, k, rounding, include_max)
+    if not ref:
+        with pytest.raises(ValueError, match="num_draft_tokens"):
+            B.vllm_policy(mx, num_draft_tokens=k, spec_rounding=rounding, include_max=include_max)
+        return
+    t = B.vllm_policy(mx, num_draft_tokens=k, spec_rounding=rounding, include_max=include_max)
+    assert t.sizes == ref and t.uniform_decode_query_len == q
+    assert all(s % q == 0 for s in t.sizes)
+    if rounding == "round_up":
+        assert t.sizes[0] == q
+    if include_max:
+        assert t.max_size == mx // q * q
+
+
+def test_vllm_spec_errors():
+    with pytest.raises(ValueError, match="num_draft_tokens: 600"):
         B.vllm_policy(num_draft_tokens=600)
     with pytest.raises(ValueError, match="spec_rounding"):
         B.vllm_policy(spec_rounding="nearest")
@@ -64,7 +126,8 @@ def test_deepinfer_counts():
     t = B.deepinfer_policy(256, nextn=0)
     assert len(t) == 35 and t.max_size == 256 and t.sizes[:5] == (1, 2, 4, 8, 16)
     t5 = B.deepinfer_policy(256, nextn=5)
-    assert len(t5) == 195 and t5.max_size == 1536 and t5.uniform_decode_query_len == 6 and not t5.uniform_decode
+    assert len(t5) == 195 and t5.max_size == 1536 and t5.uniform_decode_query_len == 6
+    assert not t5.uniform_decode
     assert t5.sizes[-3:] == (1520, 1528, 1536)
     assert B.from_policy("deepinfer", max_num_seqs=256, nextn=5).sizes == t5.sizes
     assert B.deepinfer_policy(4).sizes == (1, 2, 4)  # interval clipped to max
@@ -124,12 +187,6 @@ def test_trtllm_graph_keys():
     assert len(keys) == 2 * len(sizes) and set(keys) == {(b, d) for b in sizes for d in (3, 0)}
     keys0 = B.trtllm_graph_keys(128, 0, one_engine=False, max_concurrency=16)
     assert keys0 == [(b, 0) for b in sizes]
-
-
-def test_from_policy_unknown_and_explicit():
-    assert B.from_policy("explicit", sizes=[2, 4], uniform_decode_query_len=2).sizes == (2, 4)
-    with pytest.raises(ValueError, match="name"):
-        B.from_policy("tgi")
 
 
 # ---- the table itself ----------------------------------------------------------------------
@@ -236,52 +293,112 @@ def test_llamacpp_note():
     assert "cudaGraphExecUpdate" in B.LLAMACPP_NOTE
 
 
-# ---- CLI -----------------------------------------------------------------------------------
+# ---- the registry ----------------------------------------------------------------------------
 
-def run_cli(capsys, *argv):
-    rc = main(list(argv))
-    out = capsys.readouterr()
-    return rc, out.out, out.err
-
-
-def test_cli_deepinfer_195(capsys):
-    rc, out, _ = run_cli(capsys, "buckets", "--policy", "deepinfer", "--max-num-seqs", "256",
-                         "--nextn", "5")
-    assert rc == 0 and "195 sizes" in out and "max 1536" in out and "7/16" in out
+def test_registry_names_and_units():
+    assert list(POLICIES) == ["vllm", "deepinfer", "sglang", "trtllm"]
+    assert {n: (p.unit, p.max_unit) for n, p in POLICIES.items()} == {
+        "vllm": ("token rows", "token rows"), "deepinfer": ("token rows", "requests"),
+        "sglang": ("token rows", "requests"), "trtllm": ("requests", "requests")}
 
 
-def test_cli_vllm_default(capsys):
-    rc, out, _ = run_cli(capsys, "buckets", "--policy", "vllm")
-    assert rc == 0 and "51 sizes" in out and "n=5: 3/8" in out
-    assert ",".join(map(str, VLLM_512)) in out
+@pytest.mark.parametrize("name", list(POLICIES))
+def test_registry_matches_builder_signature(name):
+    pol = POLICIES[name]
+    params = inspect.signature(pol.builder).parameters
+    if name == "sglang":  # max_bs is its own; the rest go through **kwargs to sglang_batch_sizes
+        params = {**params, **inspect.signature(B.sglang_batch_sizes).parameters}
+    assert params[pol.max_keyword].default == pol.default_max
+    assert pol.draft_keyword is None or pol.draft_keyword in params
+    assert all(o in params for o in pol.options)
+    assert pol.build().sizes == B.from_policy(name).sizes == pol.builder().sizes
+    assert pol.build(64).sizes == B.from_policy(name, **{pol.max_keyword: 64}).sizes
 
 
-def test_cli_sglang_and_trtllm(capsys):
-    rc, out, _ = run_cli(capsys, "buckets", "--policy", "sglang", "--attn-tp-size", "4",
-                         "--max-running-requests", "50")
-    assert rc == 0 and "sizes: 4,8,12,16,24,32,40,48,52" in out
-    rc, out, _ = run_cli(capsys, "buckets", "--policy", "trtllm", "--num-draft-tokens", "3")
-    assert rc == 0 and "19 sizes" in out and "graph keys" in out
+@pytest.mark.parametrize("name", list(POLICIES))
+@pytest.mark.parametrize("k", [0, 1, 2, 5])
+def test_registry_units_and_largest_size(name, k):
+    pol = POLICIES[name]
+    if pol.draft_keyword is None and k:
+        with pytest.raises(ValueError, match="num_draft_tokens"):
+            pol.build(64, num_draft_tokens=k)
+        return
+    q = 1 + k
+    for m in (1, 3, 12, 64, 100, 300):
+        if pol.largest_size(m, q) < q:  # vLLM's max counts token rows: fewer than one request
+            with pytest.raises(ValueError, match="num_draft_tokens"):
+                pol.build(m, num_draft_tokens=k)
+            continue
+        t = pol.build(m, num_draft_tokens=k)
+        # the unit says what q is: token rows carry q per request, requests carry 1
+        assert t.uniform_decode_query_len == (q if pol.unit == "token rows" else 1)
+        assert t.max_size == pol.largest_size(m, q) // q * q, (m, t.sizes)
 
 
-def test_cli_explicit_sizes(capsys):
-    rc, out, _ = run_cli(capsys, "buckets", "--sizes", "1,2,4,8")
-    assert rc == 0 and "4 sizes" in out and "explicit" in out
+def test_from_policy_unknown_and_explicit():
+    assert B.from_policy("explicit", sizes=[2, 4], uniform_decode_query_len=2).sizes == (2, 4)
+    with pytest.raises(ValueError, match="name"):
+        B.from_policy("tgi")
 
 
-def test_cli_compare(capsys):
-    rc, out, _ = run_cli(capsys, "buckets", "--compare")
-    lines = out.splitlines()
-    assert rc == 0 and len(lines) == 6
-    assert lines[1].split()[:3] == ["vllm", "51", "512"]
-    assert lines[2].split()[:3] == ["deepinfer", "35", "256"]
-    assert lines[5].startswith("llama.cpp") and "cudaGraphExecUpdate" in lines[5]
+# ---- with_max and the engine's tables ------------------------------------------------------
+
+@pytest.mark.parametrize("sizes,q,n,expected", [
+    ([1, 2, 4, 8], 1, 12, (1, 2, 4, 8, 12)), ([1, 2, 4, 8], 1, 8, (1, 2, 4, 8)),
+    ([1, 2, 4, 8], 1, 5, (1, 2, 4, 5)), ([1, 2, 4, 8], 1, 1, (1,)),
+    ([2, 4], 2, 10, (2, 4, 10)), ([3, 9], 3, 6, (3, 6)),
+])
+def test_with_max(sizes, q, n, expected):
+    t = BucketTable(sizes, uniform_decode_query_len=q, name="x")
+    w = t.with_max(n)
+    assert w.sizes == expected and w.max_size == n
+    assert (w.name, w.uniform_decode_query_len, w.alignment) == ("x", q, 1)
+    assert (w is t) == (n == t.max_size)
 
 
-def test_cli_errors(capsys):
-    rc, _, err = run_cli(capsys, "buckets", "--sizes", "4,2")
-    assert rc == 2 and "increasing" in err
-    with pytest.raises(SystemExit):
-        main(["buckets", "--policy", "nope"])
-    with pytest.raises(SystemExit):
-        main([])
+@pytest.mark.parametrize("kwargs,n,exc,match", [
+    (dict(uniform_decode_query_len=2), 5, ValueError, "n: 5 is not a multiple of 2"),
+    (dict(alignment=4, uniform_decode_query_len=2), 6, ValueError, "n: 6 is not a multiple of 4"),
+    (dict(), 0, ValueError, "n"), (dict(), 2.0, TypeError, "n"),
+])
+def test_with_max_errors(kwargs, n, exc, match):
+    with pytest.raises(exc, match=match):
+        BucketTable([4, 8], **kwargs).with_max(n)
+
+
+def test_with_max_non_uniform():
+    t = BucketTable([2, 3], uniform_decode_query_len=2, uniform_decode=False)
+    assert t.with_max(5).sizes == (2, 3, 5)
+
+
+@pytest.mark.parametrize("name", list(POLICIES))
+def test_make_buckets_reaches_max_num_seqs(name):
+    q = 1  # the engine runs plain decode
+    for m in [*range(1, 131), 257, 500]:
+        t = make_buckets(EngineConfig(max_num_seqs=m, bucket_policy=name))
+        assert t.max_size == m * q, (m, t.sizes)
+        ns = np.arange(1, m * q + 1)
+        padded = t.padded_sizes(ns)
+        assert (padded >= ns).all() and (padded <= m * q).all(), m
+        own = B.from_policy(name, **{POLICIES[name].max_keyword: m}).sizes
+        assert t.sizes == tuple(s for s in own if s < m) + (m,), m  # only the max is added
+
+
+@pytest.mark.parametrize("m,expected", [
+    (12, (1, 2, 4, 8, 12)), (3, (1, 2, 3)), (20, (1, 2, 4, 8, 16, 20)),
+    (50, (1, 2, 4, *range(8, 49, 8), 50)), (100, (1, 2, 4, *range(8, 97, 8), 100)),
+    (64, (1, 2, 4, *range(8, 65, 8))),
+])
+def test_make_buckets_vllm_off_grid(m, expected):
+    assert make_buckets(EngineConfig(max_num_seqs=m, bucket_policy="vllm")).sizes == expected
+
+
+def test_make_buckets_explicit_and_errors():
+    assert make_buckets(EngineConfig(bucket_policy=None)) is None
+    # explicit buckets are taken as given (a batch above 4 runs eagerly)
+    assert make_buckets(EngineConfig(max_num_seqs=8, buckets=[1, 2, 4])).sizes == (1, 2, 4)
+    t = BucketTable([2, 4])
+    assert make_buckets(EngineConfig(buckets=t)) is t
+    for bad in ("tgi", "explicit", 3):
+        with pytest.raises(ValueError, match="bucket_policy"):
+            make_buckets(EngineConfig(bucket_policy=bad))

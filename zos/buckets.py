@@ -2,16 +2,20 @@
 
 Unit: token rows (``N * q`` with ``q = 1 + k`` for k draft tokens) unless a policy says otherwise
 (TensorRT-LLM's table is in requests). A size above the largest bucket has no bucket: that step
-runs eagerly. numpy + stdlib only (no torch) so this can run on the host at start-up.
+runs eagerly. ``POLICIES`` is the one registry of named policies (vLLM, DeepInfer, SGLang,
+TensorRT-LLM): the CLI, ``from_policy`` and the engine's ``make_buckets`` all read it.
+numpy + stdlib only (no torch) so this can run on the host at start-up.
 """
 from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
+SPEC_ROUNDINGS = ("round_up", "filter")  # vllm_policy's spec_rounding values; the first is default
 LLAMACPP_NOTE = (
     "llama.cpp keeps no bucket list: it caches CUDA graphs by graph structure, updates an "
     "instantiated graph in place (cudaGraphExecUpdate) when only kernel parameters changed, "
@@ -125,34 +129,63 @@ class BucketTable:
         pairs = zip((0,) + self._sizes[:-1], self._sizes)
         return [Interval(p + 1, b, b, p + step, (b - p - step) / b) for p, b in pairs]
 
+    def with_max(self, n: int) -> BucketTable:
+        """This table with ``n`` (same unit) as its largest size: sizes above n dropped, n added if
+        missing; q, alignment, uniform_decode and name kept (``self`` if n is already the max).
+        Used where the largest batch must have a graph whatever the policy (``make_buckets``).
+        TypeError/ValueError unless n is an int >= 1 that is a multiple of the alignment and, in
+        uniform decode, of q."""
+        n = _check_int("n", n)
+        step = math.lcm(self._alignment, self._q if self.uniform_decode else 1)
+        if n % step:
+            raise ValueError(f"n: {n} is not a multiple of {step} (alignment={self._alignment}, "
+                             f"q={self._q}, uniform_decode={self.uniform_decode})")
+        if n == self.max_size:
+            return self
+        return BucketTable([s for s in self._sizes if s < n] + [n],
+                           uniform_decode_query_len=self._q, alignment=self._alignment,
+                           uniform_decode=self.uniform_decode, name=self.name)
+
     def worst_case(self) -> Interval:
         """The Interval with the largest worst-case waste (the first such one on ties)."""
         return max(self.intervals(), key=lambda iv: iv.worst_waste)
 
 
 def vllm_policy(max_capture_size: int = 512, *, num_draft_tokens: int = 0,
-                spec_rounding: str = "filter") -> BucketTable:
+                spec_rounding: str = "round_up", include_max: bool = True) -> BucketTable:
     """vLLM default ``cudagraph_capture_sizes`` (token rows), from vllm/config/vllm.py
     (``VllmConfig._set_cudagraph_sizes``, documented in vllm/config/compilation.py):
     ``[1, 2, 4] + range(8, 256, 8) + range(256, max + 1, 16)``, sizes <= max (51 at 512; vLLM's
-    own default max is ``min(2 * max_num_seqs, 512)``). With k draft tokens (q = 1 + k) uniform
-    decode needs multiples of q: ``spec_rounding="filter"`` keeps only those sizes;
-    ``"round_up"`` rounds each up to a multiple of q and drops those above max (falling back to
-    ``[q]``), as ``CompilationConfig.adjust_cudagraph_sizes_for_spec_decode`` does in recent
-    vLLM. ValueError if nothing is left."""
+    own default max is ``min(2 * max_num_seqs, 512)``).
+
+    With k draft tokens (q = 1 + k) uniform decode needs multiples of q. ``spec_rounding``, one
+    of ``SPEC_ROUNDINGS``: ``"round_up"`` (default) rounds each size up to a multiple of q,
+    dedupes and drops those above max, as ``CompilationConfig.adjust_cudagraph_sizes_for_spec_
+    decode`` (vllm/config/compilation.py) does in recent vLLM (96, q=3: 3, 6, 9, 18, 24, 33, ...,
+    90, 96); ``"filter"`` keeps only the sizes already divisible by q (96, q=3: 24, 48, 72, 96).
+
+    ``include_max`` (zos; default True): the largest multiple of q <= max is a size too, so a
+    full batch of ``max // q`` requests has a graph (42, q=7: 7, 14, 21, 28, 35, 42). vLLM itself
+    caps at its grid (``include_max=False``): max 12 gives 1, 2, 4, 8, so 9 to 12 requests run
+    eagerly; 512 with q=3 stops at 498 (166 requests) where zos adds 510 (170).
+    ValueError for an unknown spec_rounding, or if no size is left (q > max; with "filter" and
+    include_max=False, no grid size divisible by q)."""
     mx = _check_int("max_capture_size", max_capture_size)
-    q = 1 + _check_int("num_draft_tokens", num_draft_tokens, 0)
-    sizes = [s for s in [1, 2, 4, *range(8, 256, 8), *range(256, mx + 1, 16)] if s <= mx]
-    if spec_rounding == "filter":
-        sizes = [s for s in sizes if s % q == 0]
-    elif spec_rounding == "round_up":
-        sizes = sorted({r for s in sizes if (r := -(-s // q) * q) <= mx})
-        sizes = sizes or ([q] if q <= mx else [])
+    k = _check_int("num_draft_tokens", num_draft_tokens, 0)
+    q = 1 + k
+    grid = [s for s in [1, 2, 4, *range(8, 256, 8), *range(256, mx + 1, 16)] if s <= mx]
+    if spec_rounding == "round_up":
+        sizes = {-(-s // q) * q for s in grid}
+    elif spec_rounding == "filter":
+        sizes = {s for s in grid if s % q == 0}
     else:
-        raise ValueError(f"spec_rounding: expected 'filter' or 'round_up', got {spec_rounding!r}")
+        raise ValueError(f"spec_rounding: expected one of {SPEC_ROUNDINGS}, got {spec_rounding!r}")
+    sizes = {s for s in sizes if s <= mx} | ({mx // q * q} if include_max and q <= mx else set())
     if not sizes:
-        raise ValueError(f"num_draft_tokens: no vLLM size <= {mx} is a multiple of q={q}")
-    return BucketTable(sizes, uniform_decode_query_len=q, name="vllm")
+        raise ValueError(f"num_draft_tokens: {k} leaves no size <= max_capture_size={mx} that is "
+                         f"a multiple of q={q} (spec_rounding={spec_rounding!r}, "
+                         f"include_max={include_max})")
+    return BucketTable(sorted(sizes), uniform_decode_query_len=q, name="vllm")
 
 
 def deepinfer_policy(max_num_seqs: int = 256, *, nextn: int = 0, interval: int = 8) -> BucketTable:
@@ -254,13 +287,69 @@ def trtllm_graph_keys(max_batch_size: int = 128, max_draft_len: int = 0, *,
     return [(b, x) for b in table for x in lens]
 
 
-_POLICIES = {"vllm": vllm_policy, "deepinfer": deepinfer_policy, "sglang": sglang_policy,
-             "trtllm": trtllm_policy, "explicit": BucketTable}
+@dataclass(frozen=True)
+class Policy:
+    """One named bucket policy of the registry ``POLICIES``.
+
+    ``builder(**{max_keyword: value, draft_keyword: k}, **options)`` builds its table, whose sizes
+    are in ``unit``: "token rows" (N * q; vLLM, DeepInfer, SGLang) or "requests" (N; TensorRT-LLM).
+    ``max_keyword`` is the builder's largest-size argument, counted in ``max_unit`` (vLLM's
+    max_capture_size counts token rows; DeepInfer's max_num_seqs, SGLang's max_bs and
+    TensorRT-LLM's max_batch_size count requests), default ``default_max``. ``draft_keyword`` is
+    the builder's draft-token argument (None: the table does not depend on draft tokens;
+    TensorRT-LLM keys them apart, see ``trtllm_graph_keys``). ``options``: the builder's other
+    keywords, which a front end may forward. Where each rule comes from: the builder's docstring.
+    """
+
+    name: str
+    builder: Callable[..., BucketTable]
+    max_keyword: str
+    max_unit: str
+    unit: str
+    default_max: int
+    draft_keyword: str | None = "num_draft_tokens"
+    options: tuple[str, ...] = ()
+
+    def build(self, max_value: int | None = None, *, num_draft_tokens: int = 0,
+              **options) -> BucketTable:
+        """The table for largest size ``max_value`` (in ``max_unit``; None: ``default_max``) and
+        k = ``num_draft_tokens``, ``options`` forwarded to the builder. ValueError if k > 0 and
+        the policy has no draft keyword; the builder's errors otherwise."""
+        kwargs = {self.max_keyword: self.default_max if max_value is None else max_value}
+        if self.draft_keyword is not None:
+            kwargs[self.draft_keyword] = num_draft_tokens
+        elif _check_int("num_draft_tokens", num_draft_tokens, 0):
+            raise ValueError(f"num_draft_tokens: {self.name} sizes are in {self.unit} and do not "
+                             f"depend on draft tokens, got {num_draft_tokens}")
+        return self.builder(**kwargs, **options)
+
+    def largest_size(self, max_value: int, q: int = 1) -> int:
+        """Upper bound of the largest size (in ``unit``) of a table built for ``max_value`` and
+        q token rows per request: ``max_value * q`` when max_keyword counts requests and the
+        table token rows, else ``max_value``."""
+        per_request = (self.max_unit, self.unit) == ("requests", "token rows")
+        return max_value * q if per_request else max_value
+
+
+POLICIES: dict[str, Policy] = {p.name: p for p in (
+    Policy("vllm", vllm_policy, "max_capture_size", "token rows", "token rows", 512,
+           options=("spec_rounding", "include_max")),
+    Policy("deepinfer", deepinfer_policy, "max_num_seqs", "requests", "token rows", 256,
+           draft_keyword="nextn", options=("interval",)),
+    Policy("sglang", sglang_policy, "max_bs", "requests", "token rows", 256,
+           options=("attn_tp_size", "attn_cp_size", "max_running_requests")),
+    Policy("trtllm", trtllm_policy, "max_batch_size", "requests", "requests", 128,
+           draft_keyword=None, options=("enable_padding",)),
+)}
 
 
 def from_policy(name: str, **kwargs) -> BucketTable:
-    """Build the table of policy ``name`` ("vllm", "deepinfer", "sglang", "trtllm", or "explicit"
-    with ``sizes=[...]``), forwarding kwargs. ValueError for an unknown name."""
-    if name not in _POLICIES:
-        raise ValueError(f"name: unknown policy {name!r}; expected one of {sorted(_POLICIES)}")
-    return _POLICIES[name](**kwargs)
+    """Build the table of policy ``name``: a key of ``POLICIES`` (kwargs go to its builder, e.g.
+    ``from_policy("vllm", max_capture_size=256)``), or "explicit" (kwargs go to ``BucketTable``,
+    e.g. ``sizes=[1, 2, 4]``). ValueError for an unknown name."""
+    if name == "explicit":
+        return BucketTable(**kwargs)
+    if name not in POLICIES:
+        raise ValueError(f"name: unknown policy {name!r}; expected one of "
+                         f"{[*POLICIES, 'explicit']}")
+    return POLICIES[name].builder(**kwargs)

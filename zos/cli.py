@@ -3,6 +3,12 @@
 Layout: ``build_parser()`` adds one subparser per subcommand and binds its handler with
 ``set_defaults(func=_cmd_<name>)``; ``main()`` parses and dispatches. Adding a subcommand is
 adding a subparser there and one ``_cmd_<name>(args) -> int`` function here.
+
+Errors are one line on stderr, ``zos <cmd>: error: <message naming the flag>``, exit 2: argparse's
+own (type functions check values; ``_Parser`` leaves out the usage block, ``--help`` prints it)
+and a ValueError/TypeError raised by a handler. Nothing is printed on stdout before an error.
+Only ``zos.buckets`` (numpy + stdlib) is imported here: ``zos --help`` and ``zos buckets`` load
+no torch.
 """
 from __future__ import annotations
 
@@ -10,33 +16,115 @@ import argparse
 import sys
 from fractions import Fraction
 
-POLICIES = ("vllm", "deepinfer", "sglang", "trtllm")
+from zos.buckets import LLAMACPP_NOTE, SPEC_ROUNDINGS, BucketTable, trtllm_graph_keys
+from zos.buckets import POLICIES as REGISTRY
+
+POLICIES = tuple(REGISTRY)  # names of the registry zos.buckets.POLICIES (argparse choices)
+MAX_SIZE_LIMIT = 1 << 20  # largest size `zos buckets` builds (its lookup table is O(max))
+MAX_PRINTED_SIZES = 256  # the sizes line shows this many, then "... (M more)"
+
+
+class _Parser(argparse.ArgumentParser):
+    """ArgumentParser whose errors are one line, ``<prog>: error: <message>``, exit 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _int_at_least(lo: int):
+    """argparse type: an int >= lo, else an error naming the flag and the text given."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < lo:
+            raise argparse.ArgumentTypeError(f"expected an int >= {lo}, got {text!r}")
+        return value
+
+    parse.__name__ = "positive int" if lo == 1 else f"int >= {lo}"
+    return parse
+
+
+positive_int, nonneg_int = _int_at_least(1), _int_at_least(0)
 
 
 def _int_list(text: str) -> list[int]:
-    """Parse ``"1,2,4"`` into ``[1, 2, 4]`` (argparse type)."""
+    """argparse type: ``"1,2,4"`` -> ``[1, 2, 4]``; non-empty, every item an int >= 1."""
     try:
-        return [int(x) for x in text.split(",") if x.strip()]
+        sizes = [int(x) for x in text.split(",")]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from None
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated ints >= 1, got {text!r}")
+    return sizes
 
 
-def _table(policy: str, args):
-    """Build the BucketTable for ``policy`` from the CLI options (None means the policy default)."""
-    from zos import buckets as b
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
 
-    k = args.num_draft_tokens if args.num_draft_tokens is not None else (args.nextn or 0)
-    if args.sizes:
-        return b.BucketTable(args.sizes, uniform_decode_query_len=1 + k, name="explicit")
-    if policy == "vllm":
-        return b.vllm_policy(args.max_size or 512, num_draft_tokens=k)
-    if policy == "deepinfer":
-        return b.deepinfer_policy(args.max_num_seqs or 256, nextn=k)
-    if policy == "sglang":
-        return b.sglang_policy(args.max_size or 256, num_draft_tokens=k,
-                               attn_tp_size=args.attn_tp_size, attn_cp_size=args.attn_cp_size,
-                               max_running_requests=args.max_running_requests)
-    return b.trtllm_policy(args.max_size or 128)
+
+def _draft_tokens(args) -> tuple[int, str]:
+    """k from ``--num-draft-tokens`` or its alias ``--nextn`` (0 if neither) and the flag it came
+    from; ValueError if both are given with different values."""
+    if None not in (args.nextn, args.num_draft_tokens) and args.nextn != args.num_draft_tokens:
+        raise ValueError(f"--nextn: alias of --num-draft-tokens, got --nextn {args.nextn} and "
+                         f"--num-draft-tokens {args.num_draft_tokens}")
+    if args.num_draft_tokens is not None:
+        return args.num_draft_tokens, "--num-draft-tokens"
+    return (args.nextn, "--nextn") if args.nextn is not None else (0, "--num-draft-tokens")
+
+
+def _applies(policy: str, dest: str) -> bool:
+    """Whether flag ``dest`` is one of ``policy``'s own: its builder options, or ``--max-num-seqs``
+    where that is its max keyword (deepinfer)."""
+    return dest in REGISTRY[policy].options or dest == REGISTRY[policy].max_keyword
+
+
+def _check_flags(args) -> None:
+    """Every flag given must apply. ``--sizes`` takes only the draft-token flags; ``--compare``
+    takes no ``--policy`` (its policy flags go to their own rows); a single policy takes only its
+    own policy flags. ValueError naming the flag otherwise."""
+    own = {o for p in REGISTRY.values() for o in p.options} | {"max_num_seqs"}
+    given = sorted(d for d in own if getattr(args, d, None) is not None)
+    if args.sizes is not None:
+        extra = [d for d in ("policy", "max_size", *given) if getattr(args, d) is not None]
+        extra += ["compare"] if args.compare else []
+        if extra:
+            raise ValueError(f"{_flag(extra[0])}: does not apply to explicit --sizes")
+    elif args.compare:
+        if args.policy is not None:
+            raise ValueError(f"--policy: --compare shows every policy, got --policy {args.policy}")
+    else:
+        name = args.policy or "vllm"
+        for d in given:
+            if not _applies(name, d):
+                owners = ", ".join(p for p in REGISTRY if _applies(p, d))
+                raise ValueError(f"{_flag(d)}: does not apply to --policy {name} (only {owners})")
+
+
+def _table(name: str, args, k: int, kflag: str, **extra) -> BucketTable:
+    """Policy ``name``'s table from the flags: largest size from ``--max-size`` (or deepinfer's
+    alias ``--max-num-seqs``; ValueError if both differ), k draft tokens where the table depends
+    on them, the policy's options given as flags, ``extra``. ValueError naming the flag if the
+    largest size would exceed MAX_SIZE_LIMIT."""
+    pol = REGISTRY[name]
+    alias = args.max_num_seqs if pol.max_keyword == "max_num_seqs" else None
+    if None not in (alias, args.max_size) and alias != args.max_size:
+        raise ValueError(f"--max-num-seqs: alias of --max-size for {name}, got --max-num-seqs "
+                         f"{alias} and --max-size {args.max_size}")
+    value, flag = next(((v, f) for v, f in ((alias, "--max-num-seqs"), (args.max_size,
+                        "--max-size")) if v is not None), (pol.default_max, kflag))
+    k = k if pol.draft_keyword else 0  # TensorRT-LLM: draft length is a graph key, not a size
+    top = pol.largest_size(value, 1 + k)
+    if top > MAX_SIZE_LIMIT:
+        raise ValueError(f"{flag}: {name} {pol.max_keyword}={value} with q={1 + k} gives sizes up "
+                         f"to {top} {pol.unit}, above the limit {MAX_SIZE_LIMIT} (2**20)")
+    options = {o: getattr(args, o) for o in pol.options if getattr(args, o, None) is not None}
+    try:
+        return pol.build(value, num_draft_tokens=k, **options, **extra)
+    except ValueError as e:
+        raise ValueError(f"{name}: {e}") from None
 
 
 def _frac(iv) -> str:
@@ -45,13 +133,44 @@ def _frac(iv) -> str:
     return f"{f} ({float(f):.1%})"
 
 
-def _print_table(t, args) -> None:
-    """Sizes, count, worst case, and per-interval worst waste grouped by interval width."""
-    unit = "requests" if t.name == "trtllm" else "token rows"
-    print(f"policy {t.name}: {len(t)} sizes, max {t.max_size} ({unit}, "
+def _unit(t: BucketTable) -> str:
+    return REGISTRY[t.name].unit if t.name in REGISTRY else "token rows"
+
+
+def _notes(t: BucketTable, args, k: int, kflag: str) -> list[str]:
+    """Lines saying how a vllm table was derived: the spec rounding used (when k > 0), and the
+    size zos adds at the max where vLLM's own table stops below it."""
+    if t.name != "vllm":
+        return []
+    q, lines = t.uniform_decode_query_len, []
+    if k:
+        rounding = args.spec_rounding or SPEC_ROUNDINGS[0]  # vllm_policy's default
+        how = ("each vLLM size rounded up to a multiple of q, as CompilationConfig."
+               "adjust_cudagraph_sizes_for_spec_decode" if rounding == "round_up"
+               else "vLLM sizes not divisible by q dropped")
+        lines.append(f"spec rounding: {rounding} (q={q}: {how}; --spec-rounding to choose)")
+    try:
+        own = _table("vllm", args, k, kflag, include_max=False).sizes
+    except ValueError:
+        own = ()
+    if own[-1:] != (t.max_size,):
+        lines.append(f"note: zos adds {t.max_size}, the largest multiple of q={q} <= max, so a "
+                     f"full batch of {t.max_size // q} requests has a graph; vLLM itself stops at "
+                     f"{own[-1] if own else 'no size'}")
+    return lines
+
+
+def _print_table(t: BucketTable, k: int, notes: list[str]) -> None:
+    """Sizes (at most MAX_PRINTED_SIZES), count, notes, worst case, and per-interval worst waste
+    grouped by interval width; TensorRT-LLM's graph keys for k draft tokens."""
+    print(f"policy {t.name}: {len(t)} sizes, max {t.max_size} ({_unit(t)}, "
           f"q={t.uniform_decode_query_len}, "
           f"alignment={t.alignment}, uniform_decode={t.uniform_decode})")
-    print("sizes:", ",".join(map(str, t.sizes)))
+    more = len(t) - MAX_PRINTED_SIZES
+    print("sizes:", ",".join(map(str, t.sizes[:MAX_PRINTED_SIZES]))
+          + (f",... ({more} more)" if more > 0 else ""))
+    for line in notes:
+        print(line)
     w = t.worst_case()
     print(f"worst case: n={w.worst_n} -> {w.bucket}, waste {_frac(w)}")
     print(f"{'buckets':>13} {'width':>6} {'count':>5}  worst waste in group")
@@ -65,31 +184,40 @@ def _print_table(t, args) -> None:
         print(f"{span:>13} {width:>6} {j - i + 1:>5}  n={ivs[i].worst_n}: {_frac(ivs[i])}")
         i = j + 1
     if t.name == "trtllm":
-        from zos.buckets import trtllm_graph_keys
-
-        k = args.num_draft_tokens if args.num_draft_tokens is not None else (args.nextn or 0)
         keys = trtllm_graph_keys(t.max_size, k)
         print(f"graph keys (batch, draft_len): {len(keys)} (draft lengths "
               f"{sorted({d for _, d in keys}, reverse=True)}; one-engine speculation assumed)")
 
 
 def _cmd_buckets(args) -> int:
-    """``zos buckets``: print one policy's table, or with --compare one row per policy."""
-    if not args.compare:
-        _print_table(_table(args.policy, args), args)
-        return 0
-    print(f"{'policy':<10} {'count':>5} {'max':>6}  worst waste")
-    for p in POLICIES:
-        try:
-            t = _table(p, argparse.Namespace(**{**vars(args), "sizes": None}))
-        except ValueError as e:
-            print(f"{p:<10} {'-':>5} {'-':>6}  n/a: {e}")
-            continue
-        w = t.worst_case()
-        print(f"{p:<10} {len(t):>5} {t.max_size:>6}  {_frac(w)} at n={w.worst_n}")
-    from zos.buckets import LLAMACPP_NOTE
+    """``zos buckets``: print one policy's table (or explicit ``--sizes``), or with --compare one
+    row per policy plus llama.cpp. Flags are validated before anything is printed."""
+    _check_flags(args)
+    k, kflag = _draft_tokens(args)
+    if args.compare:
+        return _compare(args, k, kflag)
+    if args.sizes is not None:
+        if max(args.sizes) > MAX_SIZE_LIMIT:
+            raise ValueError(f"--sizes: largest size {max(args.sizes)} is above the limit "
+                             f"{MAX_SIZE_LIMIT} (2**20)")
+        t = BucketTable(args.sizes, uniform_decode_query_len=1 + k, name="explicit")
+    else:
+        t = _table(args.policy or "vllm", args, k, kflag)
+    _print_table(t, k, _notes(t, args, k, kflag))
+    return 0
 
-    print(f"{'llama.cpp':<10} {'-':>5} {'-':>6}  none (no padding): {LLAMACPP_NOTE}")
+
+def _compare(args, k: int, kflag: str) -> int:
+    """``zos buckets --compare``: one row per policy (count, max, unit, worst waste)."""
+    tables = [_table(name, args, k, kflag) for name in REGISTRY]
+    print(f"{'policy':<10} {'count':>5} {'max':>6}  {'unit':<10}  worst waste")
+    for t in tables:
+        w = t.worst_case()
+        print(f"{t.name:<10} {len(t):>5} {t.max_size:>6}  {_unit(t):<10}  {_frac(w)} at "
+              f"n={w.worst_n}")
+    print(f"{'llama.cpp':<10} {'-':>5} {'-':>6}  {'-':<10}  none (no padding): {LLAMACPP_NOTE}")
+    for line in _notes(tables[0], args, k, kflag):
+        print(f"vllm {line}")
     return 0
 
 
@@ -117,7 +245,8 @@ DEMO_FLAGS = (
     ("--bucket-policy", dict(choices=POLICIES + ("none",), help="decode graph buckets "
                              "(default: vllm on CUDA, none on CPU)")),
     ("--no-graphs", dict(action="store_true", help="run decode eagerly on CUDA too")),
-    ("--out", dict(default="zos-demo-out", help="report directory (default zos-demo-out)")),
+    ("--out", dict(default="zos-demo-out", help="report directory, created if missing and "
+                   "checked for writing before the run (default zos-demo-out)")),
     ("--seed", dict(type=int, default=0, help="prompt windows and random weights (default 0)")),
     ("--quiet", dict(action="store_true", help="no progress bars or sample texts")),
     ("--tiny", dict(action="store_true", help=argparse.SUPPRESS)),  # small random Llama, tests
@@ -138,22 +267,32 @@ def _cmd_demo(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``zos`` argument parser, one subparser per subcommand."""
-    parser = argparse.ArgumentParser(prog="zos", description="Device-side decode-step metadata "
-                                     "for CUDA-graph LLM decoding.")
+    parser = _Parser(prog="zos", description="Device-side decode-step metadata "
+                     "for CUDA-graph LLM decoding.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("buckets", help="show a capture-size (bucket) policy and its padding waste")
-    p.add_argument("--policy", choices=POLICIES, default="vllm")
-    p.add_argument("--max-size", type=int, help="largest size (vllm: max capture size, tokens; "
-                   "sglang: cuda_graph_max_bs; trtllm: max_batch_size; deepinfer: ignored, "
-                   "use --max-num-seqs)")
-    p.add_argument("--max-num-seqs", type=int, help="deepinfer: max_num_seqs (default 256)")
-    p.add_argument("--nextn", type=int, help="draft tokens per request (DeepInfer name)")
-    p.add_argument("--num-draft-tokens", type=int, help="draft tokens per request (k, q = 1 + k)")
-    p.add_argument("--attn-tp-size", type=int, default=1, help="sglang: attention TP size")
-    p.add_argument("--attn-cp-size", type=int, default=1, help="sglang: attention CP size")
-    p.add_argument("--max-running-requests", type=int, help="sglang: request-pool size")
-    p.add_argument("--sizes", type=_int_list, help="explicit sizes 1,2,4,8 (overrides --policy)")
+    maxes = "; ".join(f"{p.name}: {p.max_keyword}, {p.max_unit}, default {p.default_max}"
+                      for p in REGISTRY.values())
+    p = sub.add_parser("buckets", help="show a capture-size (bucket) policy and its padding waste",
+                       description="Print a policy's capture sizes (at most "
+                       f"{MAX_PRINTED_SIZES}, then a count), their count and the worst padding "
+                       "waste per interval, or compare all policies.")
+    p.add_argument("--policy", choices=POLICIES, help="bucket policy (default vllm)")
+    p.add_argument("--max-size", type=positive_int, help=f"largest size, in the policy's terms "
+                   f"({maxes}); sizes above {MAX_SIZE_LIMIT} (2**20) are refused")
+    p.add_argument("--max-num-seqs", type=positive_int, help="deepinfer: max_num_seqs, alias "
+                   "of --max-size")
+    p.add_argument("--nextn", type=nonneg_int, help="alias of --num-draft-tokens (DeepInfer name)")
+    p.add_argument("--num-draft-tokens", type=nonneg_int, help="draft tokens per request "
+                   "(k, q = 1 + k token rows per request; trtllm: the graph keys' draft length)")
+    p.add_argument("--spec-rounding", choices=SPEC_ROUNDINGS, help="vllm, k > 0: round sizes "
+                   "up to multiples of q (round_up, default, recent vLLM) or keep only multiples "
+                   "(filter)")
+    p.add_argument("--attn-tp-size", type=positive_int, help="sglang: attention TP size (1)")
+    p.add_argument("--attn-cp-size", type=positive_int, help="sglang: attention CP size (1)")
+    p.add_argument("--max-running-requests", type=positive_int, help="sglang: request-pool size")
+    p.add_argument("--sizes", type=_int_list, help="explicit sizes 1,2,4,8 (token rows; no "
+                   "policy flags)")
     p.add_argument("--compare", action="store_true", help="one row per policy, plus llama.cpp")
     p.set_defaults(func=_cmd_buckets)
 

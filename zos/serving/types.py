@@ -4,7 +4,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from zos.buckets import BucketTable, from_policy
+from zos.buckets import POLICIES, BucketTable
 
 
 @dataclass(eq=False)
@@ -34,8 +34,10 @@ class EngineConfig:
     ``max_prefill_tokens``: tokens per prefill (a longer first request still runs, alone).
     ``eos_token_id``: stop token, kept in the output. ``backend``: "zos" (DeviceMetadataBackend)
     or "host" (HostMetadataBackend). ``use_cuda_graph``: capture decode graphs (CUDA only).
-    ``bucket_policy``: "vllm", "deepinfer", "sglang", "trtllm" (max size max_num_seqs) or None;
-    ``buckets`` (sizes or a BucketTable, token rows) overrides it."""
+    ``bucket_policy``: a name in ``zos.buckets.POLICIES`` ("vllm", "deepinfer", "sglang",
+    "trtllm"), built for max_num_seqs requests with max_num_seqs itself a bucket (see
+    ``make_buckets``), or None (no graphs); ``buckets`` (sizes or a BucketTable, token rows,
+    taken as given) overrides it."""
 
     block_size: int = 16
     num_kv_blocks: int = 1024
@@ -76,17 +78,21 @@ class RunResult:
     totals: dict[str, float]
 
 
-_MAX_ARG = {"vllm": "max_capture_size", "deepinfer": "max_num_seqs", "sglang": "max_bs",
-            "trtllm": "max_batch_size"}
-
-
 def make_buckets(cfg: EngineConfig) -> BucketTable | None:
-    """The bucket table of ``cfg`` (token rows, largest max_num_seqs), or None. ValueError for
-    an unknown policy."""
+    """The decode bucket table of ``cfg`` (token rows; the engine runs plain decode, q = 1), or
+    None for no graphs.
+
+    ``cfg.buckets`` (sizes or a BucketTable) is taken as given. Otherwise ``cfg.bucket_policy``
+    names a ``zos.buckets.POLICIES`` entry, built with its largest size (``Policy.max_keyword``:
+    max_capture_size, max_num_seqs, max_bs or max_batch_size; at q = 1 all count max_num_seqs)
+    set to ``cfg.max_num_seqs``, then ``BucketTable.with_max(max_num_seqs)``: a full batch has a
+    graph under every policy and for every max_num_seqs (vLLM itself caps at its grid: 12 gives
+    1, 2, 4, 8 there, 1, 2, 4, 8, 12 here). ValueError for an unknown policy name."""
     if cfg.buckets is not None or cfg.bucket_policy is None:
         b = cfg.buckets
         return b if b is None or isinstance(b, BucketTable) else BucketTable(b)
-    if cfg.bucket_policy not in _MAX_ARG:
+    policy = POLICIES.get(cfg.bucket_policy) if isinstance(cfg.bucket_policy, str) else None
+    if policy is None:
         raise ValueError(f"bucket_policy: unknown {cfg.bucket_policy!r}; expected one of "
-                         f"{sorted(_MAX_ARG)} or None")
-    return from_policy(cfg.bucket_policy, **{_MAX_ARG[cfg.bucket_policy]: cfg.max_num_seqs})
+                         f"{list(POLICIES)} or None")
+    return policy.build(cfg.max_num_seqs).with_max(cfg.max_num_seqs)
