@@ -13,9 +13,16 @@ microseconds of the prep (kernels + memcpys + memsets, from torch.profiler) and
 host-to-device bytes and copies (torch.profiler memcpy events). Not measured:
 the scheduler's own work of building the DecodeStep, and any model forward.
 
+With ``--gap-us G`` each timed step is followed by G microseconds of GPU work and a
+synchronize (a model-step stand-in): ``gpu_busy`` launches a one-program Triton kernel that
+spins on the GPU's ``%globaltimer`` (nanoseconds, independent of the SM clock) until G us
+have passed. CUDA only.
+
 Usage: python bench/bench_prep.py [--sizes 1,8,64,256,512,1024] [--out bench/results]
 """
 from __future__ import annotations
+
+import zos._interpret  # noqa: F401  (sets TRITON_INTERPRET before triton is imported)
 
 import argparse
 import datetime as dt
@@ -26,6 +33,8 @@ import time
 from pathlib import Path
 
 import torch
+import triton
+import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from zos import BucketTable, DecodeBuffers, DeviceMetadataBackend, HostMetadataBackend  # noqa: E402
@@ -37,6 +46,35 @@ from workload import SteadyWorkload  # noqa: E402
 VARIANTS = ("host", "zos-eager", "zos-graph")
 FIELDS = ("input_ids", "positions", "slot_mapping", "seq_lens", "query_start_loc",
           "block_table", "counts")
+
+
+@triton.jit
+def _globaltimer_ns():
+    """The GPU's global timer (PTX ``%globaltimer``), int64 nanoseconds; re-read on every call."""
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64,
+                                     is_pure=False, pack=1)
+
+
+@triton.jit
+def _spin(elapsed_ptr, duration_ns):
+    """Busy-wait until ``duration_ns`` ns of %globaltimer have passed (launch one program);
+    writes the ns actually spent to ``elapsed_ptr`` (int64 [1]), which keeps the loop live."""
+    start = _globaltimer_ns()
+    now = start
+    while now - start < duration_ns:
+        now = _globaltimer_ns()
+    tl.store(elapsed_ptr, now - start)
+
+
+def gpu_busy(us: float, elapsed: torch.Tensor) -> None:
+    """Enqueue ~``us`` microseconds of GPU work on the current stream (no host wait).
+
+    One program of one warp spins on %globaltimer (public Triton API, in place of the
+    private ``torch.cuda._sleep``, whose cycle count depended on the SM clock). Writes the
+    spent nanoseconds into ``elapsed`` (CUDA int64 [1]). Needs a GPU: the Triton CPU
+    interpreter cannot run inline PTX.
+    """
+    _spin[(1,)](elapsed, int(us * 1000), num_warps=1)
 
 
 def make_backend(variant, wl, device, policy):
@@ -63,13 +101,14 @@ def bench_one(variant, steps, wl, device, buckets, warmup, timed, profiled, gap_
         backend.prepare(s)
     sync(device)
     host_us, upload = [], []
+    elapsed = torch.zeros(1, dtype=torch.int64, device=device) if gap_us else None
     for s in steps[1 + warmup : 1 + warmup + timed]:
         t0 = time.perf_counter_ns()
         backend.prepare(s)
         host_us.append((time.perf_counter_ns() - t0) / 1e3)
         upload.append(backend.last_upload_bytes)
         if gap_us:  # stand-in for a model step, then the sampled-token read: host waits idle
-            torch.cuda._sleep(int(gap_us * 1980))  # cycles at ~1.98 GHz
+            gpu_busy(gap_us, elapsed)
             torch.cuda.synchronize()
     sync(device)
     rest = steps[1 + warmup + timed : 1 + warmup + timed + profiled]
@@ -101,6 +140,8 @@ def main(argv=None):
     ap.add_argument("--out", default=None, help="folder for the JSON (default: print only)")
     args = ap.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.gap_us and device != "cuda":
+        ap.error("--gap-us needs a GPU (the busy kernel reads the GPU's %globaltimer)")
     buckets = vllm_policy(1024)
     rows = []
     for ctx in [int(c) for c in args.contexts.split(",")]:
@@ -126,7 +167,7 @@ def main(argv=None):
         meta = dict(gpu=name, date=today, torch=torch.__version__,
                     triton=__import__("triton").__version__, replace_fraction=0.05,
                     buckets="vllm_policy(1024)", steps=args.steps, warmup=args.warmup,
-                    gap_us=args.gap_us,
+                    gap_us=args.gap_us, gap_kernel="gpu_busy: Triton %globaltimer spin",
                     profiled=args.profiled)
         gap = f"_gap{args.gap_us}us" if args.gap_us else ""
         out = Path(args.out) / f"prep_{name.replace(' ', '_')}_{today}{gap}.json"
@@ -137,7 +178,8 @@ def main(argv=None):
 
 def print_table(rows):
     """One line per (N, context, backend): medians, GPU us, H2D bytes, ratio to host-built."""
-    head = f"{'N':>5} {'ctx':>6} {'backend':<10} {'host us':>8} {'p90':>8} {'gpu us':>8} {'H2D B/step':>11} {'copies':>6} {'x host':>7}"
+    head = (f"{'N':>5} {'ctx':>6} {'backend':<10} {'host us':>8} {'p90':>8} {'gpu us':>8} "
+            f"{'H2D B/step':>11} {'copies':>6} {'x host':>7}")
     print(head)
     base = {(r["n"], r["max_context"]): r["host_us_median"] for r in rows if r["variant"] == "host"}
     for r in rows:

@@ -2,11 +2,13 @@
 
 Runs the steady workload of bench_prep.py through DeviceMetadataBackend with
 prep graphs and times ``stage`` (pack + one H2D copy + fence) and ``build``
-(graph replay) per step, then the torch calls that make them up, each alone.
-Prints medians in microseconds.
+(graph replay) per step, then the calls that make them up, each alone, and the
+public stream query that the backend's cached stream handle saves per step.
+Prints medians in microseconds. CUDA only.
 """
 from __future__ import annotations
 
+import functools
 import statistics
 import sys
 import time
@@ -15,7 +17,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from zos import BucketTable, DecodeBuffers, DeviceMetadataBackend, StepPacker  # noqa: E402
+from zos import BucketTable, DecodeBuffers, DeviceMetadataBackend, StepPacker, staging  # noqa: E402
 
 from workload import SteadyWorkload  # noqa: E402
 
@@ -28,6 +30,18 @@ def med_us(fn, reps=2000):
         fn()
         ts.append(time.perf_counter_ns() - t0)
     return statistics.median(ts) / 1e3
+
+
+def upload_once(up, nbytes, stream_handle):
+    """One native upload alone: wait for the next pinned buffer, enqueue its copy of
+    ``nbytes`` on the raw stream ``stream_handle`` (int) and fence it."""
+    up.submit(up.acquire(), nbytes, stream_handle)
+
+
+def stream_handle(device_index):
+    """The public per-step stream query that DeviceMetadataBackend avoids by caching the
+    handle of its stream at construction."""
+    return torch.cuda.current_stream(device_index).cuda_stream
 
 
 def main():
@@ -44,7 +58,7 @@ def main():
             t0 = time.perf_counter_ns()
             plan = be.stage(s)
             t1 = time.perf_counter_ns()
-            be.build(plan)
+            be.build(plan.padded_size)
             t2 = time.perf_counter_ns()
             be.metadata(plan)
             t_stage.append(t1 - t0)
@@ -58,19 +72,17 @@ def main():
                         s.new_block_ids, s.append_rows, s.append_block_ids, out)
             t_pack.append(time.perf_counter_ns() - t0)
         torch.cuda.synchronize()
-        up, dev = be._upload, bufs.device.index or 0
-
-        def upload_alone():
-            k = up.acquire()
-            up.submit(k, 4 * (8 + 2 * n), torch._C._cuda_getCurrentRawStream(dev))
-
+        dev = bufs.device.index or 0
+        # A record of n carried rows, on the backend's stream (its handle as stage passes it).
+        upload_alone = functools.partial(upload_once, be._upload, 4 * staging.total_words(n, 0, 0),
+                                         be.stream.cuda_stream)
         rows = {
             "stage (pack+copy+fence)": statistics.median(t_stage) / 1e3,
             "build (graph replay)": statistics.median(t_build) / 1e3,
             "metadata (memoised views)": statistics.median(t_meta) / 1e3,
             "pack alone (C++)": statistics.median(t_pack[1:]) / 1e3,
             "upload alone (C++ driver)": med_us(upload_alone),
-            "raw current stream": med_us(lambda: torch._C._cuda_getCurrentRawStream(dev)),
+            "current_stream() handle": med_us(functools.partial(stream_handle, dev)),
             "graph replay alone": med_us(be._graphs[n].replay),
         }
         torch.cuda.synchronize()

@@ -1,6 +1,8 @@
 // The staging record: the one upload of a decode step. This file is the single
-// definition of its layout; zos/staging.py mirrors these constants for Python and
-// the Triton kernels, and tests/test_staging.py checks that the two agree.
+// definition of its layout. bindings.cpp exports every constant below (and
+// total_words, capacity_words) as zos._C.staging; zos/staging.py takes its
+// constants from there, and the Triton kernels and the numba host builder get
+// them from zos/staging.py. tests/test_staging.py pins every value.
 //
 // A record is a flat int32 array, written by StepPacker::pack into pinned host
 // memory and copied to the device in one H2D copy of `total_words(N, M, L)` words:
@@ -41,8 +43,18 @@ enum Header : int64_t {
 };
 enum RecordField : int64_t { kToken = 0, kPos0 = 1, kCol0 = 2, kCount = 3, kBlkOff = 4 };
 
+static_assert(kQ < kHeaderWords, "every header word must fit in the header");
+static_assert(kBlkOff < kRecordWords, "every record field must fit in a record");
+
+// Words of a record with n rows, m row records and l block ids.
 inline int64_t total_words(int64_t n, int64_t m, int64_t l) {
   return kHeaderWords + 2 * n + kRecordWords * m + l;
+}
+
+// Largest record for max_num_reqs rows of at most max_num_blocks_per_req blocks:
+// every row new, each with a full block-table row.
+inline int64_t capacity_words(int64_t max_num_reqs, int64_t max_num_blocks_per_req) {
+  return total_words(max_num_reqs, max_num_reqs, max_num_reqs * max_num_blocks_per_req);
 }
 }  // namespace staging
 }  // namespace zos

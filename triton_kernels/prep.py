@@ -3,10 +3,12 @@
 Both kernels run one program per request row r of the padded step and read the
 real row count N from the staged record on the device (never from a launch
 argument), so one capture per bucket serves every N <= bucket. The record
-layout is csrc/staging.h: N at word 0, the record count at word M_WORD, a
-header of HEADER words, then row_src [N], row_rec [N], records of RECORD words
-and block ids; the launcher passes these as constexprs from zos.staging, which
-tests/test_staging.py pins to the C++ header.
+layout is csrc/staging.h: a header of HEADER_WORDS words (N at word
+NUM_REQS_WORD, the record count M at word NUM_RECORDS_WORD), then row_src [N],
+row_rec [N], M records of RECORD_WORDS words (fields at offsets R_TOKEN, R_POS0,
+R_COL0, R_COUNT, R_BLK_OFF) and block ids. No offset is written here: the
+launcher (zos/kernels.py) passes every one as a constexpr from zos.staging, which
+takes them from zos._C.staging, and tests/test_staging.py pins them.
 
 Masks that combine a per-row flag with a per-column mask are written
 ``tl.where(flag, mask, False)``: Triton's CPU interpreter rejects the plain
@@ -26,18 +28,20 @@ import triton.language as tl
 @triton.jit
 def snapshot_moved_rows(staging_ptr, positions_ptr, num_blocks_per_row_ptr, block_table_ptr,
                         scratch_pos_ptr, scratch_nb_ptr, scratch_bt_ptr, bt_stride,
-                        Q: tl.constexpr, BLOCK_W: tl.constexpr, HEADER: tl.constexpr):
+                        Q: tl.constexpr, BLOCK_W: tl.constexpr,
+                        NUM_REQS_WORD: tl.constexpr, HEADER_WORDS: tl.constexpr):
     """Copy the previous state of every row that moves into scratch (one program per row).
 
-    Reads staging (int32 record), positions int32 [R*Q], num_blocks_per_row int32 [R], block_table
-    int32 [R, bt_stride]; writes scratch_pos int32 [R] (first position of row r's source),
-    scratch_nb int32 [R] and scratch_bt int32 [R, bt_stride] (its columns in use) for rows
-    r < N with remap[r] = j >= 0, j != r.
+    Reads staging (int32 record; N at word NUM_REQS_WORD, row_src at HEADER_WORDS),
+    positions int32 [R*Q], num_blocks_per_row int32 [R], block_table int32 [R, bt_stride];
+    writes scratch_pos int32 [R] (first position of row r's source), scratch_nb int32 [R] and
+    scratch_bt int32 [R, bt_stride] (its columns in use) for rows r < N with
+    remap[r] = j >= 0, j != r.
     """
     r = tl.program_id(0)
-    n = tl.load(staging_ptr)
+    n = tl.load(staging_ptr + NUM_REQS_WORD)
     if r < n:
-        j = tl.load(staging_ptr + HEADER + r)
+        j = tl.load(staging_ptr + HEADER_WORDS + r)
         if (j >= 0) & (j != r):
             j64 = j.to(tl.int64)
             tl.store(scratch_pos_ptr + r, tl.load(positions_ptr + j64 * Q))
@@ -57,21 +61,26 @@ def rebuild_rows(staging_ptr, sampled_ptr, accepted_ptr,
                  scratch_pos_ptr, scratch_nb_ptr, scratch_bt_ptr,
                  bt_stride, block_size, pad_token_id, seq_len_fill,
                  Q: tl.constexpr, Q_POW2: tl.constexpr, BLOCK_W: tl.constexpr,
-                 HEADER: tl.constexpr, RECORD: tl.constexpr, M_WORD: tl.constexpr):
+                 NUM_REQS_WORD: tl.constexpr, NUM_RECORDS_WORD: tl.constexpr,
+                 HEADER_WORDS: tl.constexpr, RECORD_WORDS: tl.constexpr,
+                 R_TOKEN: tl.constexpr, R_POS0: tl.constexpr, R_COL0: tl.constexpr,
+                 R_COUNT: tl.constexpr, R_BLK_OFF: tl.constexpr):
     """Rebuild request row r (one program per row of the padded step) in place.
 
-    Reads staging, sampled int32 [R] and accepted int32 [R] (the previous step's, indexed by
-    its rows), the scratch of snapshot_moved_rows, and row r's own previous num_blocks_per_row.
-    Writes input_ids int32 [R*Q] (token row r*Q), positions int32 [R*Q], slot_mapping int64
-    [R*Q] (block * block_size + offset), seq_lens int32 [R], query_start_loc int32 [R+1]
-    (entry r+1; program 0 also entry 0), block_table int32 [R, bt_stride] (columns written and
-    the previous occupant's cleared to the null block 0), num_blocks_per_row int32 [R], and program 0
-    counts int32 [2] = (N, N*Q). Rows r >= N get the dummy values of the padding ledger.
+    Reads staging (int32 record, offsets as constexprs: see the module docstring), sampled
+    int32 [R] and accepted int32 [R] (the previous step's, indexed by its rows), the scratch
+    of snapshot_moved_rows, and row r's own previous num_blocks_per_row. Writes input_ids
+    int32 [R*Q] (token row r*Q), positions int32 [R*Q], slot_mapping int64 [R*Q]
+    (block * block_size + offset), seq_lens int32 [R], query_start_loc int32 [R+1] (entry
+    r+1; program 0 also entry 0), block_table int32 [R, bt_stride] (columns written and the
+    previous occupant's cleared to the null block 0), num_blocks_per_row int32 [R], and
+    program 0 counts int32 [2] = (N, N*Q). Rows r >= N get the dummy values of the padding
+    ledger.
     """
     r = tl.program_id(0)
     r64 = r.to(tl.int64)
-    n = tl.load(staging_ptr)
-    num_records = tl.load(staging_ptr + M_WORD)
+    n = tl.load(staging_ptr + NUM_REQS_WORD)
+    num_records = tl.load(staging_ptr + NUM_RECORDS_WORD)
     t = tl.arange(0, Q_POW2)
     tmask = t < Q
     tok_rows = r64 * Q + t
@@ -84,26 +93,27 @@ def rebuild_rows(staging_ptr, sampled_ptr, accepted_ptr,
         tl.store(counts_ptr, n)
         tl.store(counts_ptr + 1, n * Q)
     if r < n:
-        src = tl.load(staging_ptr + HEADER + r)
-        rec = tl.load(staging_ptr + HEADER + n + r)
-        rec_ptr = staging_ptr + HEADER + 2 * n + RECORD * rec
-        blk_base = staging_ptr + HEADER + 2 * n + RECORD * num_records
+        src = tl.load(staging_ptr + HEADER_WORDS + r)
+        rec = tl.load(staging_ptr + HEADER_WORDS + n + r)
+        rec_ptr = staging_ptr + HEADER_WORDS + 2 * n + RECORD_WORDS * rec
+        blk_base = staging_ptr + HEADER_WORDS + 2 * n + RECORD_WORDS * num_records
         has_rec = rec >= 0
         moved = (src >= 0) & (src != r)
         in_place = src == r
         if src >= 0:
             # Carried row: token sampled for it, position advanced by accepted tokens.
             token = tl.load(sampled_ptr + src)
-            prev_pos = tl.where(moved, tl.load(scratch_pos_ptr + r), tl.load(positions_ptr + r64 * Q))
+            prev_pos = tl.where(moved, tl.load(scratch_pos_ptr + r),
+                                tl.load(positions_ptr + r64 * Q))
             pos0 = prev_pos + tl.load(accepted_ptr + src)
             nb_src = tl.where(moved, tl.load(scratch_nb_ptr + r), old_nb)
         else:
-            token = tl.load(rec_ptr)
-            pos0 = tl.load(rec_ptr + 1)
+            token = tl.load(rec_ptr + R_TOKEN)
+            pos0 = tl.load(rec_ptr + R_POS0)
             nb_src = old_nb * 0
-        col0 = tl.where(has_rec, tl.load(rec_ptr + 2, mask=has_rec, other=0), nb_src)
-        cnt = tl.where(has_rec, tl.load(rec_ptr + 3, mask=has_rec, other=0), 0)
-        blk_off = tl.where(has_rec, tl.load(rec_ptr + 4, mask=has_rec, other=0), 0)
+        col0 = tl.where(has_rec, tl.load(rec_ptr + R_COL0, mask=has_rec, other=0), nb_src)
+        cnt = tl.where(has_rec, tl.load(rec_ptr + R_COUNT, mask=has_rec, other=0), 0)
+        blk_off = tl.where(has_rec, tl.load(rec_ptr + R_BLK_OFF, mask=has_rec, other=0), 0)
         nb_new = col0 + cnt
         # Block-table row: kept columns from scratch (moved rows only), payload
         # columns [col0, nb_new), and the null block over what a previous

@@ -27,6 +27,16 @@ class DeviceMetadataBackend(MetadataBackend):
     recorded after its copy, so the host never overwrites a record that an
     enqueued copy has not read yet (docs/ZOS.md, "Kernels inside the graph").
 
+    Streams: the upload is enqueued on one stream fixed here (``stream``; by default
+    the current stream of the buffers' device when the backend is built), whose raw
+    handle is cached so that ``stage`` costs no stream query per step. ``build`` (the prep
+    kernels or their graph) runs on the stream current at the time of the call; run it on
+    that same stream (the usual case: both are the default stream). On another stream it
+    must be ordered after the upload (``torch.cuda.current_stream().wait_stream(
+    backend.stream)``), and the next ``stage`` after it (``backend.stream.wait_stream(...)``):
+    prep reads the staging buffer that the next upload overwrites. Change the stream with
+    the ``stream`` property, between steps.
+
     Args:
         buffers, num_kv_blocks, vocab_size, buckets: see :class:`MetadataBackend`.
         capture_prep: on CUDA, capture the prep kernels once per bucket into a
@@ -34,36 +44,94 @@ class DeviceMetadataBackend(MetadataBackend):
             count comes from the staged record, so one graph serves every N in
             the bucket). A runner that captures prep together with the model
             passes False and calls ``build`` inside its own capture.
+        stream: the ``torch.cuda.Stream`` the upload is enqueued on, on the buffers'
+            device; None (default) takes ``torch.cuda.current_stream(device)`` now, at
+            construction (later changes of the current stream are not followed). Must be
+            None for CPU buffers.
+
+    Raises:
+        ValueError: as :class:`MetadataBackend`; or ``stream`` is on another device than
+            the buffers, or given for CPU buffers.
+        TypeError: ``stream`` is not a ``torch.cuda.Stream``.
+        RuntimeError: on CUDA, the driver cannot be loaded (:class:`zos._C.PinnedUpload`).
     """
 
     name = "zos"
 
     def __init__(self, buffers: DecodeBuffers, *, num_kv_blocks: int, vocab_size: int,
-                 buckets: BucketTable | None = None, capture_prep: bool = False) -> None:
+                 buckets: BucketTable | None = None, capture_prep: bool = False,
+                 stream: torch.cuda.Stream | None = None) -> None:
+        cuda = buffers.device.type == "cuda"
+        self._device_index = None
+        if cuda:
+            self._device_index = buffers.device.index
+            if self._device_index is None:
+                self._device_index = torch.cuda.current_device()
+            if stream is None:
+                stream = torch.cuda.current_stream(self._device_index)
+        self._stream = self._checked_stream(stream)
+        # The raw cudaStream_t as an int, read once: ``stage`` passes it to the native copy.
+        self._stream_handle = stream.cuda_stream if stream is not None else 0
         super().__init__(buffers, num_kv_blocks=num_kv_blocks, vocab_size=vocab_size,
                          buckets=buckets)
-        cuda = buffers.device.type == "cuda"
         words = buffers.staging.numel()
         self._pinned = [torch.zeros(words, dtype=torch.int32, pin_memory=cuda) for _ in range(2)]
         self._pinned_np = [p.numpy() for p in self._pinned]
         self._upload = None
         if cuda:
-            self._device_index = buffers.device.index
-            if self._device_index is None:
-                self._device_index = torch.cuda.current_device()
             with torch.cuda.device(self._device_index):  # the fences live on the buffers' GPU
                 self._upload = PinnedUpload(buffers.staging.data_ptr(), self._pinned[0].data_ptr(),
                                             self._pinned[1].data_ptr(), 4 * words)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         if capture_prep and cuda and buckets is not None:
             self._capture(buckets)
+        if cuda:  # the first upload lands after the reset (and capture) enqueued above
+            current = torch.cuda.current_stream(self._device_index)
+            if current != self._stream:
+                self._stream.wait_stream(current)
+
+    def _checked_stream(self, stream: torch.cuda.Stream | None) -> torch.cuda.Stream | None:
+        """``stream`` if it can carry the upload to these buffers, else TypeError/ValueError."""
+        if self._device_index is None:
+            if stream is not None:
+                raise ValueError("stream must be None for CPU buffers (the copy is a plain "
+                                 "tensor copy)")
+            return None
+        if not isinstance(stream, torch.cuda.Stream):
+            raise TypeError(f"stream must be a torch.cuda.Stream, got {type(stream).__name__}")
+        if stream.device.index != self._device_index:
+            raise ValueError(f"stream is on {stream.device}, the buffers on "
+                             f"cuda:{self._device_index}")
+        return stream
+
+    @property
+    def stream(self) -> torch.cuda.Stream | None:
+        """The stream ``stage`` enqueues the upload on (None for CPU buffers).
+
+        Set it between steps to move the upload (same checks as the constructor's
+        ``stream``; None is not accepted on CUDA): the new stream first waits for the old
+        one, so the next upload lands after everything enqueued there. ``build`` must then
+        run on the new stream (see the class docstring).
+        """
+        return self._stream
+
+    @stream.setter
+    def stream(self, stream: torch.cuda.Stream | None) -> None:
+        stream = self._checked_stream(stream)
+        if stream is not None and stream != self._stream:
+            stream.wait_stream(self._stream)
+        self._stream = stream
+        self._stream_handle = stream.cuda_stream if stream is not None else 0
 
     def _stage(self, step: DecodeStep) -> StepPlan:
         """Pack ``step`` and enqueue its one H2D copy into ``buffers.staging``.
 
-        On CUDA the copy is issued natively (:class:`zos._C.PinnedUpload`) on the
-        current stream. Raises ValueError/TypeError (from the packer) before
-        anything is written to the device or to the packer's mirror.
+        On CUDA the copy is issued natively (:class:`zos._C.PinnedUpload`) on
+        ``self.stream`` (its handle cached: no stream query per step); ``build`` must run
+        on that stream (see the class docstring). Raises ValueError/TypeError (from the
+        packer) before anything is written to the device or to the packer's mirror, and
+        RuntimeError if the driver rejects the copy (the packer is then reset: the next
+        step must be all new rows).
         """
         up = self._upload
         k = up.acquire() if up is not None else 0
@@ -71,8 +139,8 @@ class DeviceMetadataBackend(MetadataBackend):
                                  step.new_positions, step.new_block_indptr, step.new_block_ids,
                                  step.append_rows, step.append_block_ids, self._pinned_np[k])
         if up is not None:
-            try:  # private but cheap (0.2 us against 6 us for torch.cuda.current_stream())
-                up.submit(k, 4 * words, torch._C._cuda_getCurrentRawStream(self._device_index))
+            try:
+                up.submit(k, 4 * words, self._stream_handle)
             except RuntimeError:
                 self.packer.reset()  # the device never got this step: start over from new rows
                 raise
@@ -87,7 +155,11 @@ class DeviceMetadataBackend(MetadataBackend):
         return bool(self._graphs)
 
     def build(self, padded_size: int) -> None:
-        """Rebuild token rows [0, padded_size) on the device (graph replay if captured)."""
+        """Rebuild token rows [0, padded_size) on the device (graph replay if captured).
+
+        Runs on the current stream, which must be ``self.stream`` or ordered after it (the
+        staged record is read from device memory).
+        """
         if padded_size == 0:  # an empty step: no rows, and no real row either
             self.buffers.counts.zero_()
             return

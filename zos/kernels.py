@@ -9,11 +9,19 @@ from zos import staging
 from zos.buffers import DecodeBuffers
 from zos.triton_kernels.prep import rebuild_rows, snapshot_moved_rows
 
+# Every staging offset the kernels read, as constexprs (csrc/staging.h through zos.staging).
+_SNAPSHOT_LAYOUT = dict(NUM_REQS_WORD=staging.NUM_REQS, HEADER_WORDS=staging.HEADER_WORDS)
+_REBUILD_LAYOUT = dict(
+    _SNAPSHOT_LAYOUT, NUM_RECORDS_WORD=staging.NUM_RECORDS, RECORD_WORDS=staging.RECORD_WORDS,
+    R_TOKEN=staging.R_TOKEN, R_POS0=staging.R_POS0, R_COL0=staging.R_COL0,
+    R_COUNT=staging.R_COUNT, R_BLK_OFF=staging.R_BLK_OFF)
+
 
 def launch_prep(buffers: DecodeBuffers, padded_size: int) -> None:
     """Rebuild the metadata of a step padded to ``padded_size`` token rows, in place.
 
-    Reads the staged record in ``buffers.staging`` (real row count N at word 0),
+    Reads the staged record in ``buffers.staging`` (real row count N at word
+    ``zos.staging.NUM_REQS``; the kernels get every offset of the layout as a constexpr),
     ``buffers.sampled`` and ``buffers.accepted`` (int32 [max_num_reqs], written by the
     previous step's sampler), and the previous step's rows. Writes, in place,
     ``input_ids``, ``positions``, ``slot_mapping`` (token rows [0, padded_size)),
@@ -37,12 +45,11 @@ def launch_prep(buffers: DecodeBuffers, padded_size: int) -> None:
     snapshot_moved_rows[grid](
         b.staging, b.positions, b.num_blocks_per_row, b.block_table,
         b.scratch_pos, b.scratch_num_blocks_per_row, b.scratch_block_table, w,
-        Q=b.uniform_decode_query_len, BLOCK_W=block_w, HEADER=staging.HEADER_WORDS)
+        Q=q, BLOCK_W=block_w, **_SNAPSHOT_LAYOUT)
     rebuild_rows[grid](
         b.staging, b.sampled, b.accepted,
         b.input_ids, b.positions, b.slot_mapping, b.seq_lens, b.query_start_loc,
         b.block_table, b.num_blocks_per_row, b.counts,
         b.scratch_pos, b.scratch_num_blocks_per_row, b.scratch_block_table,
         w, b.block_size, b.pad_token_id, b.seq_len_fill,
-        Q=b.uniform_decode_query_len, Q_POW2=triton.next_power_of_2(b.uniform_decode_query_len), BLOCK_W=block_w,
-        HEADER=staging.HEADER_WORDS, RECORD=staging.RECORD_WORDS, M_WORD=staging.NUM_RECORDS)
+        Q=q, Q_POW2=triton.next_power_of_2(q), BLOCK_W=block_w, **_REBUILD_LAYOUT)
