@@ -20,77 +20,93 @@ from zos.buckets import BucketTable
 from zos.buffers import PAD_SLOT_ID, DecodeBuffers
 from zos.step import DecodeStep
 
-_H, _R = staging.HEADER_WORDS, staging.RECORD_WORDS  # numba freezes globals at compile time
 
+def _make_build_rows(HEADER_WORDS, RECORD_WORDS, NUM_REQS, NUM_RECORDS,
+                     R_TOKEN, R_POS0, R_COL0, R_COUNT, R_BLK_OFF):
+    """The numba row builder for one staging layout (word offsets, from zos.staging).
 
-@numba.njit(cache=True, nogil=True)
-def _build_rows(rec, sampled, accepted, q, block_size, pad_token_id, seq_len_fill, padded_reqs,
-                input_ids, positions, slot_mapping, seq_lens, qsl, block_table, num_blocks_per_row,
-                scratch_pos, scratch_nb, scratch_bt, bt_compact):  # pragma: no cover - numba
-    """Apply one staging record (csrc/staging.h) to the host rows; returns C, the
-    block-table columns to upload, and writes rows [0, padded_reqs) x [0, C) of
-    the block table into ``bt_compact`` (row-major, stride C)."""
-    n = rec[staging.NUM_REQS]
-    m = rec[staging.NUM_RECORDS]
-    rec0 = _H + 2 * n
-    blk0 = rec0 + _R * m
-    for r in range(n):  # gather rows that move, before any row is overwritten
-        j = rec[_H + r]
-        if j >= 0 and j != r:
-            scratch_pos[r] = positions[j * q]
-            nb = num_blocks_per_row[j]
-            scratch_nb[r] = nb
-            scratch_bt[r, :nb] = block_table[j, :nb]
-    cols = 0
-    for r in range(padded_reqs):
-        old_nb = num_blocks_per_row[r]
-        if r < n:
-            src = rec[_H + r]
-            k = rec[_H + n + r]
-            if src >= 0:
-                token = sampled[src]
-                if src == r:
-                    pos0 = positions[r * q] + accepted[src]
-                    nb_src = old_nb
+    The layout is bound as closure variables, not read from module globals: numba freezes
+    both at compile time, but only closure variables are part of its on-disk cache key, so
+    a rebuilt ``_C`` with another layout recompiles instead of reusing a stale cache.
+    """
+
+    @numba.njit(cache=True, nogil=True)
+    def _build_rows(rec, sampled, accepted, q, block_size, pad_token_id, seq_len_fill,
+                    padded_reqs, input_ids, positions, slot_mapping, seq_lens, qsl, block_table,
+                    num_blocks_per_row, scratch_pos, scratch_nb, scratch_bt,
+                    bt_compact):  # pragma: no cover - numba
+        """Apply one staging record (csrc/staging.h) to the host rows; returns C, the
+        block-table columns to upload, and writes rows [0, padded_reqs) x [0, C) of
+        the block table into ``bt_compact`` (row-major, stride C)."""
+        n = rec[NUM_REQS]
+        m = rec[NUM_RECORDS]
+        rec0 = HEADER_WORDS + 2 * n
+        blk0 = rec0 + RECORD_WORDS * m
+        for r in range(n):  # gather rows that move, before any row is overwritten
+            j = rec[HEADER_WORDS + r]
+            if j >= 0 and j != r:
+                scratch_pos[r] = positions[j * q]
+                nb = num_blocks_per_row[j]
+                scratch_nb[r] = nb
+                scratch_bt[r, :nb] = block_table[j, :nb]
+        cols = 0
+        for r in range(padded_reqs):
+            old_nb = num_blocks_per_row[r]
+            if r < n:
+                src = rec[HEADER_WORDS + r]
+                k = rec[HEADER_WORDS + n + r]
+                at = rec0 + RECORD_WORDS * k  # row r's record (k >= 0 for every new row)
+                if src >= 0:
+                    token = sampled[src]
+                    if src == r:
+                        pos0 = positions[r * q] + accepted[src]
+                        nb_src = old_nb
+                    else:
+                        pos0 = scratch_pos[r] + accepted[src]
+                        nb_src = scratch_nb[r]
+                        block_table[r, :nb_src] = scratch_bt[r, :nb_src]
                 else:
-                    pos0 = scratch_pos[r] + accepted[src]
-                    nb_src = scratch_nb[r]
-                    block_table[r, :nb_src] = scratch_bt[r, :nb_src]
+                    token = rec[at + R_TOKEN]
+                    pos0 = rec[at + R_POS0]
+                    nb_src = 0
+                nb_new = nb_src
+                if k >= 0:
+                    col0 = rec[at + R_COL0]
+                    cnt = rec[at + R_COUNT]
+                    off = blk0 + rec[at + R_BLK_OFF]
+                    block_table[r, col0:col0 + cnt] = rec[off:off + cnt]
+                    nb_new = col0 + cnt
+                block_table[r, nb_new:old_nb] = 0
+                num_blocks_per_row[r] = nb_new
+                for t in range(q):
+                    p = pos0 + t
+                    positions[r * q + t] = p
+                    slot_mapping[r * q + t] = (np.int64(block_table[r, p // block_size])
+                                               * block_size + p % block_size)
+                input_ids[r * q] = token
+                seq_lens[r] = pos0 + q
             else:
-                token = rec[rec0 + _R * k + staging.R_TOKEN]
-                pos0 = rec[rec0 + _R * k + staging.R_POS0]
-                nb_src = 0
-            nb_new = nb_src
-            if k >= 0:
-                col0 = rec[rec0 + _R * k + staging.R_COL0]
-                cnt = rec[rec0 + _R * k + staging.R_COUNT]
-                off = blk0 + rec[rec0 + _R * k + staging.R_BLK_OFF]
-                block_table[r, col0:col0 + cnt] = rec[off:off + cnt]
-                nb_new = col0 + cnt
-            block_table[r, nb_new:old_nb] = 0
-            num_blocks_per_row[r] = nb_new
-            for t in range(q):
-                p = pos0 + t
-                positions[r * q + t] = p
-                slot_mapping[r * q + t] = (np.int64(block_table[r, p // block_size]) * block_size
-                                           + p % block_size)
-            input_ids[r * q] = token
-            seq_lens[r] = pos0 + q
-        else:
-            block_table[r, :old_nb] = 0
-            num_blocks_per_row[r] = 0
-            nb_new = 0
-            for t in range(q):
-                input_ids[r * q + t] = pad_token_id
-                positions[r * q + t] = 0
-                slot_mapping[r * q + t] = -1
-            seq_lens[r] = seq_len_fill
-        qsl[r + 1] = (r + 1) * q
-        cols = max(cols, old_nb, nb_new)
-    qsl[0] = 0
-    for r in range(padded_reqs):
-        bt_compact[r * cols:(r + 1) * cols] = block_table[r, :cols]
-    return cols
+                block_table[r, :old_nb] = 0
+                num_blocks_per_row[r] = 0
+                nb_new = 0
+                for t in range(q):
+                    input_ids[r * q + t] = pad_token_id
+                    positions[r * q + t] = 0
+                    slot_mapping[r * q + t] = -1
+                seq_lens[r] = seq_len_fill
+            qsl[r + 1] = (r + 1) * q
+            cols = max(cols, old_nb, nb_new)
+        qsl[0] = 0
+        for r in range(padded_reqs):
+            bt_compact[r * cols:(r + 1) * cols] = block_table[r, :cols]
+        return cols
+
+    return _build_rows
+
+
+_build_rows = _make_build_rows(staging.HEADER_WORDS, staging.RECORD_WORDS, staging.NUM_REQS,
+                               staging.NUM_RECORDS, staging.R_TOKEN, staging.R_POS0,
+                               staging.R_COL0, staging.R_COUNT, staging.R_BLK_OFF)
 
 
 class HostMetadataBackend(MetadataBackend):
@@ -103,13 +119,19 @@ class HostMetadataBackend(MetadataBackend):
     block table) and one device copy that scatters the block table into its
     strided rows. ``build`` does nothing: the data is already on its way.
 
-    Args: see :class:`MetadataBackend`.
+    With ``input_ids_from_device`` the read-back goes: carried rows' input ids are gathered
+    on the device from ``buffers.sampled`` by the row's previous index (uploaded with the
+    rest, 4N bytes), as vLLM V1 does under async scheduling, so ``stage`` never waits for the
+    previous step's tokens and the host can run a step ahead of the GPU (an overlapped engine).
+
+    Args: see :class:`MetadataBackend`; ``input_ids_from_device`` as above (q = 1).
     """
 
     name = "host"
 
     def __init__(self, buffers: DecodeBuffers, *, num_kv_blocks: int, vocab_size: int,
-                 buckets: BucketTable | None = None) -> None:
+                 buckets: BucketTable | None = None, input_ids_from_device: bool = False
+                 ) -> None:
         super().__init__(buffers, num_kv_blocks=num_kv_blocks, vocab_size=vocab_size,
                          buckets=buckets)
         b = buffers
@@ -125,6 +147,11 @@ class HostMetadataBackend(MetadataBackend):
                        seq_lens=pinned(r, fill=b.seq_len_fill),
                        query_start_loc=pinned(r + 1), counts=pinned(2))
         self._sampled = pinned(r)
+        self.input_ids_from_device = input_ids_from_device
+        self._row_src = pinned(r)  # previous row of each row (-1: new), for the device gather
+        self._row_src_dev = torch.zeros(r, dtype=torch.int32, device=b.device)
+        self._gather_idx = torch.zeros(r, dtype=torch.int32, device=b.device)
+        self._gathered = torch.zeros(r, dtype=torch.int32, device=b.device)
         self._accepted = np.ones(r, np.int32)  # plain decode (q = 1): one token per row
         self._bt_compact = pinned(r * w)
         self._bt_device = torch.zeros(r * w, dtype=torch.int32, device=b.device)
@@ -148,7 +175,7 @@ class HostMetadataBackend(MetadataBackend):
                          step.new_block_indptr, step.new_block_ids, step.append_rows,
                          step.append_block_ids, self._record)
         plan = self.plan(step.num_reqs)
-        if prev:
+        if prev and not self.input_ids_from_device:
             self._sampled[:prev].copy_(b.sampled[:prev])  # synchronous read-back
         t, r = plan.padded_size, plan.padded_size // b.uniform_decode_query_len
         a = self._np
@@ -169,6 +196,17 @@ class HostMetadataBackend(MetadataBackend):
             self._bt_device[: r * cols].copy_(self._bt_compact[: r * cols], non_blocking=True)
             b.block_table[:r, :cols].copy_(self._bt_device[: r * cols].view(r, cols))
             nbytes += 4 * r * cols
+        n = plan.num_reqs
+        if self.input_ids_from_device and prev and n:
+            self._row_src.numpy()[:n] = self._record[staging.HEADER_WORDS:
+                                                     staging.HEADER_WORDS + n]
+            src = self._row_src_dev[:n]
+            src.copy_(self._row_src[:n], non_blocking=True)
+            nbytes += 4 * n
+            idx, got = self._gather_idx[:n], self._gathered[:n]
+            torch.clamp(src, min=0, out=idx)
+            torch.index_select(b.sampled, 0, idx, out=got)
+            torch.where(src >= 0, got, b.input_ids[:n], out=b.input_ids[:n])
         if self._fence is not None:
             self._fence.record()
         self.last_upload_bytes = nbytes

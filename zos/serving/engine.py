@@ -58,8 +58,11 @@ class Engine:
                                      pad_token_id=0, seq_len_fill=1)
         kw = dict(num_kv_blocks=cfg.num_kv_blocks, vocab_size=c.vocab_size,
                   buckets=make_buckets(cfg))
+        # Under overlap the host-built baseline gathers input ids on the device (vLLM V1's
+        # async scheduling) instead of reading the last tokens back, which would wait.
         self.backend = (DeviceMetadataBackend(self.buffers, capture_prep=False, **kw)
-                        if cfg.backend == "zos" else HostMetadataBackend(self.buffers, **kw))
+                        if cfg.backend == "zos" else
+                        HostMetadataBackend(self.buffers, input_ids_from_device=overlap, **kw))
         self.runner = GraphRunner(model, self.kv_caches, self.backend,
                                   use_cuda_graph=cfg.use_cuda_graph)
         self.graphs_captured = self.runner.capture()
@@ -70,6 +73,7 @@ class Engine:
         self.num_preemptions, self.num_steps, self._admitted = 0, 0, 0
         self.overlap = overlap
         self.readback = SampledReadback(cfg.max_num_seqs, self.device)
+        self._prefilled: list[Request] = []  # admitted with their KV in place: next decode
 
     def add_request(self, req: Request) -> None:
         """Queue ``req`` (behind earlier ones). ValueError: empty prompt, token outside the
@@ -82,10 +86,38 @@ class Engine:
                              f"max_new_tokens <= max_model_len {cfg.max_model_len}")
         self.waiting.append(req)
 
+    def admit_prefilled(self, req: Request, first_token: int) -> None:
+        """Admit ``req`` as if its prompt had been prefilled elsewhere (a disaggregated prefill,
+        or a benchmark of steady-state decode): its blocks are allocated now, the KV of its
+        prompt is taken to be in the cache already (whatever those blocks hold), and
+        ``first_token`` is its first output; it joins the next decode step as a new row.
+
+        Raises:
+            ValueError: the request is invalid (see :meth:`add_request`), the token is outside
+                the vocabulary, no row is free, or too few blocks are free.
+        """
+        self.add_request(req)
+        self.waiting.pop()
+        running = sum(r is not None for r in self.rows) + len(self._prefilled)
+        if running >= self.config.max_num_seqs:
+            raise ValueError(f"request {req.req_id}: no free row (max_num_seqs "
+                             f"{self.config.max_num_seqs})")
+        if not 0 <= first_token < self.model.config.vocab_size:
+            raise ValueError(f"request {req.req_id}: first_token {first_token} is outside the "
+                             f"vocabulary")
+        blocks = self.allocator.allocate(-(-(len(req.prompt) + 1) // self.config.block_size))
+        if blocks is None:
+            raise ValueError(f"request {req.req_id}: not enough free KV blocks")
+        req.blocks, req.num_computed = blocks, len(req.prompt)
+        req.admit_seq, self._admitted = self._admitted, self._admitted + 1
+        self._append(req, first_token)
+        if req.finish_reason is None:
+            self._prefilled.append(req)
+
     def has_unfinished(self) -> bool:
         """Whether any request waits or runs, or a decode step's tokens are still on their way."""
         return (bool(self.waiting) or any(r is not None for r in self.rows)
-                or bool(self.readback.pending))
+                or bool(self.readback.pending) or bool(self._prefilled))
 
     def step(self, progress: Callable[[StepRecord], None] | None = None) -> list[StepRecord]:
         """One engine step: admit + one eager prefill, then one decode of every running row."""
@@ -95,6 +127,7 @@ class Engine:
         if fresh:
             out.append(self._prefill(fresh))
             fresh = [r for r in fresh if r.finish_reason is None]
+        fresh, self._prefilled = fresh + self._prefilled, []
         rec = self._decode(fresh) if fresh or any(r is not None for r in self.rows) else None
         out += [rec] if rec is not None else []
         # Tokens of earlier steps: all of them in sync mode; all but the step just launched
@@ -143,7 +176,7 @@ class Engine:
     def _admit(self) -> list[Request]:
         """Waiting requests in order while a row, blocks for prompt + 1 and budget allow."""
         cfg, out, used = self.config, [], 0
-        running = sum(r is not None for r in self.rows)
+        running = sum(r is not None for r in self.rows) + len(self._prefilled)
         while self.waiting and running + len(out) < cfg.max_num_seqs:
             req = self.waiting[0]
             n = len(req.prompt) + len(req.output)  # a resumed request recomputes its output

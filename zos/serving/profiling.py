@@ -19,12 +19,17 @@ class DeviceActivity:
         h2d_copies: number of host-to-device memcpys.
         d2h_bytes: bytes of device-to-host memcpys.
         gpu_us: summed durations (microseconds) of kernels, memcpys and memsets.
+        busy_us: microseconds during which at least one of them ran (their union: work
+            that overlaps on several streams counts once).
+        span_us: microseconds from the first one's start to the last one's end.
     """
 
     h2d_bytes: int
     h2d_copies: int
     d2h_bytes: int
     gpu_us: float
+    busy_us: float = 0.0
+    span_us: float = 0.0
 
 
 def profile_device(fn: Callable[[], None]) -> DeviceActivity:
@@ -53,15 +58,24 @@ def profile_device(fn: Callable[[], None]) -> DeviceActivity:
         os.remove(path)
     h2d = h2d_n = d2h = 0
     gpu_us = 0.0
+    spans = []
     for ev in events:
         cat = ev.get("cat", "")
         if cat not in ("kernel", "gpu_memcpy", "gpu_memset"):
             continue
         gpu_us += float(ev.get("dur", 0.0))
+        spans.append((float(ev["ts"]), float(ev["ts"]) + float(ev.get("dur", 0.0))))
         if cat == "gpu_memcpy":
             nbytes = int(ev.get("args", {}).get("bytes", 0))
             if "HtoD" in ev.get("name", ""):
                 h2d, h2d_n = h2d + nbytes, h2d_n + 1
             elif "DtoH" in ev.get("name", ""):
                 d2h += nbytes
-    return DeviceActivity(h2d, h2d_n, d2h, gpu_us)
+    busy = end = 0.0
+    for a, b in sorted(spans):
+        if a > end:
+            busy, end = busy + (b - a), b
+        elif b > end:
+            busy, end = busy + (b - end), b
+    span = max(b for _, b in spans) - min(a for a, _ in spans) if spans else 0.0
+    return DeviceActivity(h2d, h2d_n, d2h, gpu_us, busy, span)
