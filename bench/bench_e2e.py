@@ -1,7 +1,7 @@
 """End-to-end decode benchmark: what each metadata backend costs in a whole decode step.
 
 SmolLM2-135M's shape with random weights, bf16, on one GPU. For each context (default ~1k and
-~7.7k tokens per row, spread +-6% so rows cross block boundaries on different steps) and each
+~7k tokens per row, spread +-6% so rows cross block boundaries on different steps) and each
 N (request rows, default 1, 8, 64, 256, 512), every combination of backend (host-built, zos)
 and engine (sync, overlap) runs a decode-only steady state: N requests admitted with their
 prompt's KV taken as already in the cache (``Engine.admit_prefilled``), one CUDA graph of
@@ -134,7 +134,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default="1,8,64,256,512", help="N values, comma-separated")
-    ap.add_argument("--contexts", default="1024,7680", help="tokens per row, comma-separated")
+    ap.add_argument("--contexts", default="1024,7168", help="tokens per row, comma-separated")
     ap.add_argument("--max-kv-gb", type=float, default=100.0,
                     help="skip (N, context) whose KV cache would exceed this many GB")
     ap.add_argument("--steps", type=int, default=64, help="timed decode steps")
@@ -164,6 +164,7 @@ def main() -> int:
                       f"  TPOT {r['tpot_us']:8.1f} us  tok/s {r['tokens_per_s']:9.0f}"
                       f"  idle {100 * r['gpu_idle_fraction']:5.1f}%"
                       f"  host CPU {r['host_cpu_us_median']:7.1f} us"
+                      f"  graph steps {r['graph_steps']}"
                       f" (metadata {r['metadata_us_median']:6.1f})", flush=True)
     gpu, date = torch.cuda.get_device_name(), dt.date.today().isoformat()
     meta = dict(gpu=gpu, date=date, torch=torch.__version__,

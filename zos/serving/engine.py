@@ -37,8 +37,8 @@ class Engine:
     under preemption comes from stream order: a freed block's next owner is written by work
     enqueued after the step that last wrote it. Tokens are identical with and without overlap.
 
-    Raises ValueError: unknown backend/policy, or num_kv_blocks too small for one request of
-    max_model_len.
+    Raises ValueError: unknown backend/policy, num_kv_blocks too small for one request of
+    max_model_len, or max_model_len above the model's max_position_embeddings (RoPE table).
     """
 
     def __init__(self, model, config: EngineConfig, device: torch.device | str = "cpu", *,
@@ -49,6 +49,9 @@ class Engine:
         if cfg.num_kv_blocks - 1 < width:
             raise ValueError(f"num_kv_blocks {cfg.num_kv_blocks} cannot hold one request of "
                              f"max_model_len {cfg.max_model_len} ({width} blocks + null block)")
+        if cfg.max_model_len > c.max_position_embeddings:
+            raise ValueError(f"max_model_len {cfg.max_model_len} exceeds the model's "
+                             f"max_position_embeddings {c.max_position_embeddings}")
         if cfg.backend not in ("zos", "host"):
             raise ValueError(f"backend: expected 'zos' or 'host', got {cfg.backend!r}")
         self.kv_caches = allocate_kv_cache(c.num_hidden_layers, cfg.num_kv_blocks, bs,
