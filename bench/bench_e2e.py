@@ -9,9 +9,9 @@ exactly N rows, no arrivals, no finishes. Per combination, in one process on one
 
 * timed pass (``--steps`` decode steps after ``--warmup``): wall time per step (TPOT: the
   whole run's wall time after a final sync, over the steps), tokens/s = N * steps / wall,
-  host CPU time per step (``time.process_time`` around ``Engine.step``: scheduler + metadata
-  + launch + reading tokens back), and within it the metadata (``stage``) time the engine
-  records;
+  host CPU time per step (``time.process_time`` around ``Engine.step`` less the time spent
+  waiting for sampled tokens, which spins: scheduler + metadata + launch + reading tokens
+  back), and within it the metadata (``stage``) time the engine records;
 * profiled pass (``--profile-steps`` more steps under ``torch.profiler``): GPU busy time (the
   union of kernel, memcpy and memset intervals) over the span from the first to the last of
   them; idle fraction = 1 - busy / span. The profiler adds host overhead, so idle is an upper
@@ -71,9 +71,11 @@ def run_combo(model, backend, overlap, n, ctx, args) -> dict:
     cpu, first = [], len(engine.records)
     t0 = time.perf_counter()
     for _ in range(args.steps):
-        c0 = time.process_time()
+        c0, w0 = time.process_time(), engine.readback.wait_seconds
         engine.step()
-        cpu.append((time.process_time() - c0) * 1e6)
+        # CPU time of the step's own work: waiting for the GPU (a spinning event wait counts
+        # as CPU time) is taken out.
+        cpu.append((time.process_time() - c0 - (engine.readback.wait_seconds - w0)) * 1e6)
     torch.cuda.synchronize()
     wall = time.perf_counter() - t0
     recs = [r for r in engine.records[first:] if r.kind == "decode"]

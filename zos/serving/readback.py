@@ -8,6 +8,7 @@ as a whole, only on the one copy it needs.
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -51,6 +52,7 @@ class SampledReadback:
         self._events = [torch.cuda.Event() if self.cuda else None for _ in range(depth)]
         self._next = 0
         self.pending: deque[Pending] = deque()
+        self.wait_seconds = 0.0  # host time spent waiting in pop (benchmarks subtract it)
 
     def push(self, sampled: torch.Tensor, rows: list) -> None:
         """Enqueue the copy of ``sampled[:len(rows)]`` (int32, on the device) on the current
@@ -69,5 +71,7 @@ class SampledReadback:
         """Wait for the oldest pending copy only; returns its ``rows`` and tokens (host ints)."""
         p = self.pending.popleft()
         if p.event is not None:
+            t0 = time.perf_counter()
             p.event.synchronize()
+            self.wait_seconds += time.perf_counter() - t0
         return p.rows, self._bufs[p.slot][:len(p.rows)].tolist()
