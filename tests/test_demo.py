@@ -1,13 +1,19 @@
-"""``zos demo`` end to end on a tiny random Llama, and the trace slicing / prompt synthesis."""
+"""``zos demo`` end to end on a tiny random Llama (its report, and on a CPU what the report may
+claim), a bad ``--out`` and a missing matplotlib, and the trace slicing / prompt synthesis."""
+import contextlib
+import io
 import json
 import os
+import re
+import sys
 
 import pytest
 
 from zos.cli import main
+from zos.serving import demo
 from zos.serving import trace as ztrace
 from zos.serving.demo import auto_num_blocks
-from zos.serving.report import first_mismatch, format_samples, sample_texts
+from zos.serving.report import first_mismatch, format_samples, sample_texts, write_report
 
 CONV_HEAD = [(374, 44), (396, 109), (879, 55), (91, 16), (91, 16), (381, 84)]  # file rows 1-6
 
@@ -73,17 +79,28 @@ def test_helpers():
     assert auto_num_blocks(s, 16, 8, 96) == 1 + max(6, round(0.5 * 8 * (4 + 4 + 5 + 1) / 4)) == 15
 
 
-def test_demo_end_to_end_tiny(tmp_path, capsys):
-    out = tmp_path / "report"
-    rc = main(["demo", "--tiny", "--weights", "random", "--block-size", "8", "--out", str(out),
-               "--quiet"])
-    printed = capsys.readouterr().out
+TINY = ["demo", "--tiny", "--weights", "random", "--block-size", "8", "--quiet"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """One run of the tiny demo: (exit status, stdout, stderr, report directory)."""
+    out = tmp_path_factory.mktemp("demo") / "report"
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        rc = main(TINY + ["--out", str(out)])
+    return rc, stdout.getvalue(), stderr.getvalue(), out
+
+
+def test_demo_end_to_end_tiny(tiny):
+    rc, printed, _, out = tiny
     assert rc == 0, printed
     assert "identical tokens: YES" in printed and "| requests" in printed
     for name in ("report.md", "report.png", "report.json"):
         assert os.path.getsize(out / name) > 0
+    assert not [p for p in os.listdir(out) if p.startswith(".zos-demo-probe")]
     rep = json.loads((out / "report.json").read_text())
-    assert rep["identical"] is True and rep["mismatch"] is None
+    assert rep["identical"] is True and rep["mismatch"] is None and "png_skipped" not in rep
     h, z = rep["backends"]["host"], rep["backends"]["zos"]
     for key in ("requests", "steps", "prefill_steps", "decode_steps", "tokens", "preemptions"):
         assert h["totals"][key] == z["totals"][key], key
@@ -93,10 +110,72 @@ def test_demo_end_to_end_tiny(tmp_path, capsys):
     assert h["series"]["step"] == z["series"]["step"]
     assert len(h["series"]["upload_bytes"]) == h["totals"]["decode_steps"]
     assert 0 < z["upload_bytes_median"] < h["upload_bytes_median"]
-    assert rep["ratios"]["h2d_bytes_median"] > 1
     assert len(rep["samples"]) == 3
-    if rep["setup"]["device"] == "cuda":
+    if rep["device"] == "cuda":
         assert h["h2d_samples"] and z["h2d_samples"]
         assert 0 < z["h2d_bytes_median"] < h["h2d_bytes_median"]
+        assert rep["ratios"]["h2d_bytes_median"] > 1
     md = (out / "report.md").read_text()
     assert "Identical tokens" in md and "YES" in md and rep["setup"]["torch"] in md
+    assert "![per-step figures](report.png)" in md
+
+
+def test_demo_on_cpu_compares_no_times(tiny):
+    """On a CPU the report compares no times (zos's are Triton's interpreter): no ratio in the
+    table, the md or the json; time rows say what they are; bytes are not called H2D."""
+    rc, printed, _, out = tiny
+    rep = json.loads((out / "report.json").read_text())
+    if rep["device"] != "cpu":
+        pytest.skip("the CPU labelling applies to CPU runs")
+    assert rc == 0 and rep["setup"]["device"] == "cpu"
+    assert "ratios" not in rep and "not comparable" in rep["cpu_times"]
+    assert "counted by the backend" in rep["bytes_source"]
+    md = (out / "report.md").read_text()
+    for text in (printed, md):
+        assert re.search(r"\d\.\d\dx", text) is None and "H2D bytes" not in text
+        assert "bytes handed to the copies / decode step, median (no H2D on CPU)" in text
+        assert "metadata us / decode step, median (CPU, not comparable)" in text
+        assert "(interpreter)" in text and "(numba)" in text
+        assert "tokens/s (CPU, not comparable)" in text
+
+
+def test_demo_without_matplotlib_skips_the_picture(tiny, tmp_path, monkeypatch, capsys):
+    """matplotlib is not a dependency: without it the report says the picture was skipped."""
+    rep = json.loads((tiny[3] / "report.json").read_text())
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    paths = write_report(rep, str(tmp_path))
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "report.png skipped: matplotlib is not installed" in err
+    assert "png" not in paths and not (tmp_path / "report.png").exists()
+    saved = json.loads((tmp_path / "report.json").read_text())
+    assert "matplotlib is not installed" in saved["png_skipped"]
+    md = (tmp_path / "report.md").read_text()
+    assert "report.png skipped: matplotlib is not installed" in md and "](report.png)" not in md
+
+
+def _bad_outs(tmp_path):
+    afile = tmp_path / "a_file"
+    afile.write_text("x")
+    bad = {"path is a file": afile, "parent is a file": afile / "sub"}
+    if sys.platform == "linux":  # procfs: no directory or file can be created there, even as root
+        bad.update({"parent cannot be created": "/proc/zos-no-such-dir/out",
+                    "directory not writable": "/proc"})
+    if hasattr(os, "geteuid") and os.geteuid() != 0:  # root writes into a 0o500 directory
+        ro = tmp_path / "read_only"
+        ro.mkdir(mode=0o500)
+        bad["read-only directory"] = ro
+    return bad
+
+
+def test_demo_bad_out_fails_first_in_one_line(tmp_path, monkeypatch, capsys):
+    """A report directory that cannot be written is an error before any work (no model is
+    loaded), in one line, exit 2; no traceback."""
+    monkeypatch.setattr(demo, "load_model", lambda *a, **k: pytest.fail("work before --out check"))
+    for name, out in _bad_outs(tmp_path).items():
+        rc = main(TINY + ["--out", str(out)])
+        cap = capsys.readouterr()
+        assert rc == 2, name
+        assert cap.err.startswith(f"zos demo: error: --out {out}: "), (name, cap.err)
+        assert cap.err.count("\n") == 1 and "Traceback" not in cap.err, (name, cap.err)
+    assert (tmp_path / "a_file").read_text() == "x"
+

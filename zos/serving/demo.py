@@ -1,18 +1,21 @@
 """``zos demo``: decode a slice of a real request trace twice, host metadata vs zos.
 
 One command: load SmolLM2-135M-Instruct (or random weights of its shape), take a slice of the
-Azure LLM inference trace 2023 (``zos.trace``), fill its scaled prompt lengths with real prose,
-run the same slice through :class:`zos.engine.Engine` with ``backend="host"`` and with
-``backend="zos"`` (CUDA graphs on a GPU), check that both generate the same tokens, and write a
-report (``zos.serving.report``). On CUDA a second, profiled run of each backend measures the H2D
-bytes of a sample of decode steps with ``torch.profiler``; the timed runs are not profiled.
-Outputs follow the trace's lengths: eos is ignored, as serving benchmarks do.
+Azure LLM inference trace 2023 (``zos.serving.trace``), fill its scaled prompt lengths with
+real prose, run the same slice through :class:`zos.serving.engine.Engine` with
+``backend="host"`` and with ``backend="zos"`` (CUDA graphs on a GPU), check that both generate
+the same tokens, and write a report (``zos.serving.report``). On CUDA a second, profiled run of
+each backend measures the H2D bytes of a sample of decode steps with ``torch.profiler``; the
+timed runs are not profiled. Outputs follow the trace's lengths: eos is ignored, as serving
+benchmarks do. The report directory is checked (created, a probe file written and removed)
+before any work, so a bad ``--out`` fails in a second, not after the runs.
 """
 from __future__ import annotations
 
 import gc
 import itertools
 import math
+import os
 import sys
 
 import torch
@@ -54,6 +57,25 @@ def resolve_settings(args, cuda: bool) -> dict:
     return s
 
 
+def check_out_dir(out: str) -> None:
+    """Make sure the report can be written into ``out`` before any work: create it (and its
+    parents), then write and remove a probe file. ValueError naming ``--out`` and the reason
+    (a path that is a file, a parent that cannot be created, a directory not writable)."""
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ValueError(f"--out {out}: exists and is not a directory")
+    probe = os.path.join(out, f".zos-demo-probe-{os.getpid()}")
+    try:
+        os.makedirs(out, exist_ok=True)
+        with open(probe, "w", encoding="utf-8") as f:
+            f.write("zos demo: can the report be written here?\n")
+        os.remove(probe)
+    except OSError as e:
+        reason = e.strerror or type(e).__name__
+        where = f": {e.filename}" if e.filename else ""
+        raise ValueError(f"--out {out}: cannot create the directory or write into it "
+                         f"({reason}{where})") from None
+
+
 def auto_num_blocks(reqs: list, block_size: int, max_num_seqs: int, max_model_len: int) -> int:
     """A tight KV pool: ``TIGHT`` x max_num_seqs x the slice's mean blocks per finished request,
     at least one request of max_model_len, plus the null block (so the demo preempts)."""
@@ -63,8 +85,6 @@ def auto_num_blocks(reqs: list, block_size: int, max_num_seqs: int, max_model_le
 
 def smollm2_tokenizer():
     """SmolLM2's tokenizer from the zos cache or the GGUF, or None when neither is there."""
-    import os
-
     from zos.serving.models.weights import default_cache_dir, smollm2_gguf_path
     try:
         from transformers import AutoTokenizer
@@ -191,13 +211,16 @@ def run_demo(args) -> dict:
     samples and the table; write report.md/png/json into ``args.out``.
 
     Returns the report dict (``identical``: both backends generated the same tokens;
-    ``paths``: the files written). Raises ValueError for invalid flags."""
+    ``paths``: the files written). Raises ValueError for invalid flags, before any work for an
+    ``--out`` that cannot be written (see :func:`check_out_dir`), and for a report that cannot
+    be written after all (the OSError's reason, in one line)."""
     from zos.serving import report as demo_report
 
     say = (lambda *a: None) if args.quiet else print
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     s = resolve_settings(args, cuda)
+    check_out_dir(args.out)
     model, tokenizer, info = load_model(s, device)
     vocab = model.config.vocab_size
     if s["max_model_len"] > model.config.max_position_embeddings:
@@ -232,7 +255,10 @@ def run_demo(args) -> dict:
             info["note_profiled"] = "the profiled runs generated other tokens than the timed runs"
     samples = demo_report.sample_texts(prompts, runs["zos"].outputs, tokenizer)
     report = demo_report.build_report(s, info, slice_, runs, profiled, mismatch, samples, device)
-    report["paths"] = demo_report.write_report(report, args.out)
+    try:
+        report["paths"] = demo_report.write_report(report, args.out)
+    except OSError as e:  # the directory passed check_out_dir; e.g. the disk is full now
+        raise ValueError(f"--out {args.out}: cannot write the report ({e})") from None
     if not args.quiet:
         print(demo_report.format_samples(samples))
     print(demo_report.format_table(report))

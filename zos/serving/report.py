@@ -1,8 +1,11 @@
 """The report of ``zos demo``: a table per backend, ``report.md``, ``report.png``, ``report.json``.
 
-Figures per backend come from :class:`zos.engine.RunResult` (totals and per-step records);
-the H2D bytes per decode step come from ``torch.profiler`` samples on CUDA, and from the
-backends' own counts on the CPU (where there is no host-to-device copy to observe).
+Figures per backend come from :class:`zos.serving.types.RunResult` (totals and per-step
+records). On CUDA the H2D bytes per decode step come from ``torch.profiler`` samples, and the
+report compares the backends' host times and bytes (host/zos ratios). On a CPU nothing is
+copied host-to-device and zos's prep kernels run in Triton's interpreter, so the report shows
+correctness (identical tokens) and the bytes each backend hands to its copies, labels its
+times as CPU times that compare nothing, and computes no ratio.
 """
 from __future__ import annotations
 
@@ -16,7 +19,13 @@ from datetime import datetime
 import torch
 
 BACKENDS = ("host", "zos")
-CPU_BYTES = "counted by the backend (no torch.profiler H2D on CPU)"
+CPU_BYTES = "bytes handed to the copies"
+CPU_BYTES_SOURCE = ("bytes each backend hands to its copies per decode step, counted by the "
+                    "backend (on a CPU there is no host-to-device copy to observe)")
+CPU_TIMES = ("CPU times, not comparable: zos's metadata time is its prep kernels run by "
+             "Triton's CPU interpreter, the host backend's is numba and CPU copies; neither "
+             "says what a GPU does, so no host/zos ratio is computed")
+NO_PNG = "report.png skipped: matplotlib is not installed (pip install matplotlib)"
 TAIL_TOKENS = 32  # prompt tail shown with each sample text
 
 
@@ -80,23 +89,24 @@ def format_samples(samples: list[dict], width: int = 400) -> str:
 
 def build_report(s: dict, info: dict, slice_, runs: dict, profiled: dict, mismatch,
                  samples: list, device: torch.device) -> dict:
-    """The report dict: ``setup`` (device, versions, date, model, trace slice, engine sizes),
-    ``backends`` (:func:`summarize` per backend), ``ratios`` host/zos, ``identical``,
-    ``mismatch``, ``samples``, ``h2d_source``."""
+    """The report dict: ``device`` ("cuda" or "cpu"), ``setup`` (device, versions, date,
+    model, trace slice, engine sizes), ``backends`` (:func:`summarize` per backend),
+    ``identical``, ``mismatch``, ``samples``, ``bytes_source``; on CUDA ``ratios`` host/zos
+    (metadata us and H2D bytes, medians), on a CPU ``cpu_times`` (why there is no ratio)."""
     import triton
 
     cuda = device.type == "cuda"
     name = torch.cuda.get_device_name(device) if cuda else \
         f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
     backends = {b: summarize(runs[b], profiled.get(b) if cuda else None) for b in BACKENDS}
-    key = "h2d_bytes_median" if cuda else "upload_bytes_median"
     h, z = backends["host"], backends["zos"]
     n = len(h["h2d_samples"])
-    return dict(
+    report = dict(
+        device=device.type,
         setup=dict(device=device.type, device_name=name, torch=torch.__version__,
                    triton=triton.__version__, python=platform.python_version(),
                    date=datetime.now().isoformat(timespec="seconds"),
-                   triton_interpret=os.environ.get("TRITON_INTERPRET", ""), **info,
+                   triton_interpret=os.environ.get("TRITON_INTERPRET") or "unset", **info,
                    trace=s["trace"], start=s["start"], num_requests=len(slice_),
                    scale=s["scale"], max_prompt=s["max_prompt"], max_output=s["max_output"],
                    prompt_tokens=sum(r.prompt_len for r in slice_),
@@ -106,11 +116,16 @@ def build_report(s: dict, info: dict, slice_, runs: dict, profiled: dict, mismat
                    bucket_policy=s["bucket_policy"], graphs=s["graphs"], seed=s["seed"],
                    eos="ignored (outputs follow the trace's lengths)",
                    warm_up="2 short requests per backend, graphs off, before the timed runs"),
-        h2d_source=(f"torch.profiler, {n} sampled decode steps of a separate profiled run"
-                    if cuda else CPU_BYTES),
-        backends=backends, identical=mismatch is None, mismatch=mismatch, samples=samples,
-        ratios=dict(metadata_us_median=_ratio(h["metadata_us_median"], z["metadata_us_median"]),
-                    h2d_bytes_median=_ratio(h[key], z[key])))
+        bytes_source=(f"torch.profiler H2D, {n} sampled decode steps of a separate profiled run"
+                      if cuda else CPU_BYTES_SOURCE),
+        backends=backends, identical=mismatch is None, mismatch=mismatch, samples=samples)
+    if cuda:
+        report["ratios"] = dict(
+            metadata_us_median=_ratio(h["metadata_us_median"], z["metadata_us_median"]),
+            h2d_bytes_median=_ratio(h["h2d_bytes_median"], z["h2d_bytes_median"]))
+    else:
+        report["cpu_times"] = CPU_TIMES
+    return report
 
 
 def _fmt(x, nd=1) -> str:
@@ -122,30 +137,36 @@ def _fmt(x, nd=1) -> str:
 
 
 def table_rows(report: dict) -> list[tuple[str, str, str]]:
-    """``(label, host, zos)`` rows of the comparison table."""
+    """``(label, host, zos)`` rows of the comparison table. On a CPU the time rows say what
+    each backend's time is (numba / Triton interpreter) and the bytes row what is counted."""
     b = report["backends"]
-    cuda = report["setup"]["device"] == "cuda"
+    cpu = report["device"] == "cpu"
 
-    def row(label, f):
-        return (label, *(f(b[k]) for k in BACKENDS))
+    def row(label, f, tags=("", "")):
+        return (label, *(f(b[k]) + t for k, t in zip(BACKENDS, tags)))
 
     def tot(k, nd=1):
         return lambda x: _fmt(x["totals"][k], nd)
 
+    what = (" (numba)", " (interpreter)") if cpu else ("", "")
+    cpu_label = " (CPU, not comparable)" if cpu else ""
     rows = [row("requests", tot("requests")),
             row("steps (prefill / decode)", lambda x: f"{x['totals']['prefill_steps']} / "
                 f"{x['totals']['decode_steps']}"),
-            row("generated tokens", tot("tokens")), row("tokens/s", tot("tokens_per_s")),
-            row("metadata us / decode step, median", lambda x: _fmt(x["metadata_us_median"])),
-            row("metadata us / decode step, mean", lambda x: _fmt(x["metadata_us_mean"]))]
-    if cuda:
+            row("generated tokens", tot("tokens")),
+            row(f"tokens/s{cpu_label}", tot("tokens_per_s")),
+            row(f"metadata us / decode step, median{cpu_label}",
+                lambda x: _fmt(x["metadata_us_median"]), what),
+            row(f"metadata us / decode step, mean{cpu_label}",
+                lambda x: _fmt(x["metadata_us_mean"]), what)]
+    if cpu:
+        rows.append(row(f"{CPU_BYTES} / decode step, median (no H2D on CPU)",
+                        lambda x: _fmt(x["upload_bytes_median"])))
+    else:
         rows += [row("H2D bytes / decode step, median (torch.profiler)",
                      lambda x: _fmt(x["h2d_bytes_median"])),
                  row("upload bytes / decode step, median (counted by the backend)",
                      lambda x: _fmt(x["upload_bytes_median"]))]
-    else:
-        rows.append(row("H2D bytes / decode step, median (*)",
-                        lambda x: _fmt(x["upload_bytes_median"])))
     rows += [row("graphs captured", tot("graphs_captured")),
              row("eager decode steps", tot("eager_decode_steps")),
              row("preemptions", tot("preemptions")), row("capture s", tot("capture_s", 2))]
@@ -153,22 +174,25 @@ def table_rows(report: dict) -> list[tuple[str, str, str]]:
 
 
 def format_table(report: dict) -> str:
-    """The table as Markdown (also readable as plain text), with the host/zos ratios below."""
+    """The table as Markdown (also readable as plain text); below it the host/zos ratios on
+    CUDA, or on a CPU what the run shows and why its times compare nothing."""
     rows = table_rows(report)
     w = max(len(r[0]) for r in rows)
-    lines = [f"| {'':<{w}} | {'host':>12} | {'zos':>12} |", f"|{'-' * (w + 2)}|{'-' * 13}:|"
-             f"{'-' * 13}:|"]
-    lines += [f"| {a:<{w}} | {h:>12} | {z:>12} |" for a, h, z in rows]
-    r = report["ratios"]
-    ratio = lambda x: "-" if x is None else f"{x:.2f}x"  # noqa: E731
-    cpu = report["setup"]["device"] == "cpu"
-    meta = ("n/a on CPU: zos's time there is Triton's interpreter running the prep kernels, "
-            "which says nothing about GPU cost" if cpu else ratio(r["metadata_us_median"]))
-    lines += ["", f"- host/zos metadata us per decode step (median): {meta}",
-              f"- host/zos H2D bytes per decode step (median): {ratio(r['h2d_bytes_median'])}"]
-    if cpu:
-        lines += [f"- (*) {CPU_BYTES}.", "- On a CPU the run shows correctness (identical tokens) "
-                  "and the upload sizes; time and tokens/s are for a GPU run."]
+    c = max(12, *(len(x) for r in rows for x in r[1:]))
+    lines = [f"| {'':<{w}} | {'host':>{c}} | {'zos':>{c}} |",
+             f"|{'-' * (w + 2)}|{'-' * (c + 1)}:|{'-' * (c + 1)}:|"]
+    lines += [f"| {a:<{w}} | {h:>{c}} | {z:>{c}} |" for a, h, z in rows]
+    if report["device"] == "cpu":
+        lines += ["", "- CPU run: it shows that both backends generate identical tokens and "
+                  "how many bytes each hands to its copies.",
+                  f"- {CPU_TIMES[0].upper()}{CPU_TIMES[1:]}."]
+    else:
+        r = report["ratios"]
+        ratio = lambda x: "-" if x is None else f"{x:.2f}x"  # noqa: E731
+        lines += ["", f"- host/zos metadata us per decode step (median): "
+                  f"{ratio(r['metadata_us_median'])}",
+                  f"- host/zos H2D bytes per decode step (median): "
+                  f"{ratio(r['h2d_bytes_median'])}"]
     return "\n".join(lines)
 
 
@@ -176,7 +200,7 @@ def _markdown(report: dict) -> str:
     s = report["setup"]
     out = ["# zos demo report", "", "## Setup", ""]
     out += [f"- **{k}**: {v}" for k, v in s.items()]
-    out += [f"- **H2D bytes source**: {report['h2d_source']}", "", "## Results", "",
+    out += [f"- **bytes source**: {report['bytes_source']}", "", "## Results", "",
             format_table(report), "", "## Identical tokens", "",
             "YES: both backends generated the same tokens for every request." if
             report["identical"] else f"**NO**: {report['mismatch']}", "", "## Sample texts", ""]
@@ -184,39 +208,56 @@ def _markdown(report: dict) -> str:
         out += [f"### request {smp['request']}", "", "prompt tail:", "", "```",
                 smp["prompt_tail"], "```", "", "completion:", "", "```", smp["completion"],
                 "```", ""]
-    out += ["![per-step figures](report.png)", ""]
-    return "\n".join(out)
+    out += ["## Per-step figures", ""]
+    out += [f"{report['png_skipped']}." if report.get("png_skipped") else
+            "![per-step figures](report.png)", ""]
+    return "\n".join(x.rstrip() for x in out)
 
 
 def plot(report: dict, path: str) -> None:
-    """Two panels, x = decode step: upload bytes per decode step (profiler samples marked on
-    CUDA) and host metadata microseconds per decode step, one line per backend."""
+    """Two panels, x = decode step, one line per backend. CUDA: upload bytes per decode step
+    (profiler samples marked) and host metadata microseconds per decode step. CPU: the bytes
+    each backend hands to its copies, and the rows of each step; no times (zos's are Triton's
+    interpreter, which says nothing about a GPU). ImportError without matplotlib."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    cpu = report["device"] == "cpu"
     fig, (ax1, ax2) = plt.subplots(2, 1, sharex=True, figsize=(10, 6.5))
     for name, color, mark in zip(BACKENDS, ("tab:red", "tab:blue"), ("x", "+")):
         b = report["backends"][name]
         ser = b["series"]
         ax1.plot(ser["step"], ser["upload_bytes"], ".-", ms=3, lw=0.8, color=color,
-                 label=f"{name} (counted)")
+                 label=name if cpu else f"{name} (counted)")
         if b["h2d_samples"]:
             ax1.plot([x["step"] for x in b["h2d_samples"]],
                      [x["h2d_bytes"] for x in b["h2d_samples"]], mark, ms=8, color=color,
                      label=f"{name} (torch.profiler)")
-        ax2.plot(ser["step"], ser["metadata_us"], ".-", ms=3, lw=0.8, color=color, label=name)
-    cpu = report["setup"]["device"] == "cpu"
-    ax1.set_ylabel("H2D bytes / decode step")
-    ax1.set_title(CPU_BYTES if cpu else report["h2d_source"], fontsize=8)
-    ax2.set_ylabel("host metadata us / decode step")
-    ax2.set_title("CPU: zos's time includes its prep kernels run by the Triton interpreter"
-                  if cpu else "stage (+ eager build); graph steps build inside the replay",
-                  fontsize=8)
+        if not cpu:
+            ax2.plot(ser["step"], ser["metadata_us"], ".-", ms=3, lw=0.8, color=color,
+                     label=name)
+    if cpu:
+        ser = report["backends"]["host"]["series"]  # the same steps for both backends
+        ax2.plot(ser["step"], ser["num_reqs"], ".-", ms=3, lw=0.8, color="tab:gray",
+                 label="request rows N (both backends)")
+        ax1.set_ylabel(f"{CPU_BYTES}\nper decode step (no H2D on CPU)", fontsize=8)
+        ax1.set_title("CPU: bytes each backend hands to its copies (no host-to-device copy)",
+                      fontsize=8)
+        ax2.set_ylabel("request rows per decode step")
+        ax2.yaxis.get_major_locator().set_params(integer=True)
+        ax2.set_title("no times plotted on a CPU: zos's prep kernels run in Triton's "
+                      "interpreter there, which says nothing about a GPU", fontsize=8)
+    else:
+        ax1.set_ylabel("H2D bytes / decode step")
+        ax1.set_title(report["bytes_source"], fontsize=8)
+        ax2.set_ylabel("host metadata us / decode step")
+        ax2.set_title("stage (+ eager build); graph steps build inside the replay", fontsize=8)
+        ax2.set_yscale("log")
+    ax1.set_yscale("log")
     ax2.set_xlabel("decode step")
     for ax in (ax1, ax2):
-        ax.set_yscale("log")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
     s = report["setup"]
@@ -228,17 +269,22 @@ def plot(report: dict, path: str) -> None:
 
 
 def write_report(report: dict, out_dir: str) -> dict:
-    """Write ``report.md``, ``report.png`` and ``report.json`` into ``out_dir`` (created);
-    returns ``{"md", "png", "json"}`` paths."""
+    """Write ``report.png``, ``report.md`` and ``report.json`` into ``out_dir`` (created);
+    returns ``{"md", "png", "json"}`` paths. Without matplotlib the picture is skipped: one
+    line on stderr, ``report["png_skipped"]`` set (and so recorded in the md and the json),
+    and no "png" path. OSError if ``out_dir`` cannot be written."""
     os.makedirs(out_dir, exist_ok=True)
     paths = {k: os.path.join(out_dir, f"report.{k}") for k in ("md", "png", "json")}
-    with open(paths["md"], "w", encoding="utf-8") as f:
-        f.write(_markdown(report))
+    report.pop("png_skipped", None)
     try:
         plot(report, paths["png"])
-    except ImportError as e:  # matplotlib is a demo extra
-        print(f"zos demo: no report.png ({e}); pip install matplotlib", file=sys.stderr)
+    except ImportError:  # matplotlib is in the demo and test extras, not a dependency
+        report["png_skipped"] = NO_PNG
+        print(f"zos demo: {NO_PNG}", file=sys.stderr)
         del paths["png"]
+    with open(paths["md"], "w", encoding="utf-8") as f:
+        f.write(_markdown(report))
     with open(paths["json"], "w", encoding="utf-8") as f:
         json.dump({k: v for k, v in report.items() if k != "paths"}, f, indent=1)
+        f.write("\n")
     return paths

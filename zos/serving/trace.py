@@ -3,9 +3,9 @@
 The trace (``zos/serving/data/``, CC BY 4.0, see ``zos/serving/data/README.md``) gives, per
 request, an arrival time, a prompt length and an output length, but no text. :func:`trace_slice`
 takes a slice in arrival order and scales the lengths down (an integer divisor, then clamps) so
-that they fit a small model and machine; :func:`synthesize_prompts` fills those lengths with windows of real
-English prose (the docstrings of a fixed list of Python standard-library modules, tokenized
-once), deterministically by seed.
+that they fit a small model and machine; :func:`synthesize_prompts` fills those lengths with
+windows of real English prose (the docstrings of a fixed list of Python standard-library
+modules, tokenized once), deterministically by seed.
 """
 from __future__ import annotations
 
