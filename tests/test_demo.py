@@ -120,6 +120,20 @@ def test_demo_end_to_end_tiny(tiny):
     assert "![per-step figures](report.png)" in md
 
 
+def test_demo_overlap_same_tokens_as_sync(tiny, tmp_path):
+    """``--overlap``: both backends' tokens identical, and equal to the synchronous run's."""
+    out = tmp_path / "overlap"
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(io.StringIO()):
+        rc = main(TINY + ["--overlap", "--out", str(out)])
+    assert rc == 0 and "identical tokens: YES" in stdout.getvalue()
+    rep = json.loads((out / "report.json").read_text())
+    sync = json.loads((tiny[3] / "report.json").read_text())
+    assert rep["setup"]["overlap"] is True and sync["setup"]["overlap"] is False
+    assert rep["backends"]["zos"]["totals"]["tokens"] == sync["backends"]["zos"]["totals"]["tokens"]
+    assert rep["samples"] == sync["samples"]
+
+
 def test_demo_on_cpu_compares_no_times(tiny):
     """On a CPU the report compares no times (zos's are Triton's interpreter): no ratio in the
     table, the md or the json; time rows say what they are; bytes are not called H2D."""

@@ -245,6 +245,8 @@ DEMO_FLAGS = (
     ("--bucket-policy", dict(choices=POLICIES + ("none",), help="decode graph buckets "
                              "(default: vllm on CUDA, none on CPU)")),
     ("--no-graphs", dict(action="store_true", help="run decode eagerly on CUDA too")),
+    ("--overlap", dict(action="store_true", help="overlapped engine: the host schedules and "
+                       "stages step t+1 while the GPU runs step t (tokens read one step late)")),
     ("--out", dict(default="zos-demo-out", help="report directory, created if missing and "
                    "checked for writing before the run (default zos-demo-out)")),
     ("--seed", dict(type=int, default=0, help="prompt windows and random weights (default 0)")),

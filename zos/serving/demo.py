@@ -49,7 +49,7 @@ def resolve_settings(args, cuda: bool) -> dict:
     s = {k: (v if getattr(args, k, None) is None else getattr(args, k)) for k, v in base.items()}
     s.update(trace=args.trace, start=args.start, block_size=args.block_size, seed=args.seed,
              num_kv_blocks=args.num_kv_blocks, graphs=cuda and not args.no_graphs,
-             weights=args.weights, tiny=bool(args.tiny))
+             weights=args.weights, tiny=bool(args.tiny), overlap=bool(args.overlap))
     for k in ("num_requests", "scale", "max_prompt", "max_output", "max_num_seqs", "block_size"):
         if s[k] < 1:
             raise ValueError(f"--{k.replace('_', '-')} must be >= 1, got {s[k]}")
@@ -160,7 +160,8 @@ def run_backend(model, s, backend, device, prompts, slice_, quiet, profile_every
     tokens updated per engine step. With ``profile_every`` > 0 (CUDA), every k-th decode step
     runs under ``zos.profiling.profile_device``. Returns ``(RunResult, samples)``, a sample
     being ``{"step", "h2d_bytes", "h2d_copies", "counted_bytes"}``."""
-    engine, samples = Engine(model, engine_config(s, backend), device), []
+    engine = Engine(model, engine_config(s, backend), device, overlap=s["overlap"])
+    samples = []
     if profile_every:
         from zos.serving.profiling import profile_device
 

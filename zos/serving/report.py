@@ -113,7 +113,8 @@ def build_report(s: dict, info: dict, slice_, runs: dict, profiled: dict, mismat
                    output_tokens=sum(r.output_len for r in slice_),
                    max_model_len=s["max_model_len"], block_size=s["block_size"],
                    num_kv_blocks=s["num_kv_blocks"], max_num_seqs=s["max_num_seqs"],
-                   bucket_policy=s["bucket_policy"], graphs=s["graphs"], seed=s["seed"],
+                   bucket_policy=s["bucket_policy"], graphs=s["graphs"], overlap=s["overlap"],
+                   seed=s["seed"],
                    eos="ignored (outputs follow the trace's lengths)",
                    warm_up="2 short requests per backend, graphs off, before the timed runs"),
         bytes_source=(f"torch.profiler H2D, {n} sampled decode steps of a separate profiled run"
