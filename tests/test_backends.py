@@ -1,29 +1,33 @@
-"""Both metadata backends against the per-request truth, step after step."""
+"""Both metadata backends against the per-request truth, step after step: seeded traces,
+traces drawn by hypothesis over odd sizes, hand-written cases, bad input, and two backends
+taking the same buffers over one after the other."""
 import numpy as np
 import pytest
 import torch
-from tracegen import TraceGen, expected
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from zos import BucketTable, DecodeBuffers, DecodeStep, DeviceMetadataBackend, HostMetadataBackend
 
-from conftest import DEVICE
+from helpers import DEVICE, TraceGen, expected
 
 BS, W, NUM_BLOCKS, VOCAB = 4, 6, 400, 1000
 FIELDS = ("input_ids", "positions", "slot_mapping", "seq_lens", "query_start_loc",
           "block_table", "counts")
+BACKENDS = {"device": DeviceMetadataBackend, "host": HostMetadataBackend}
 
 
-def make(kind, max_num_reqs=24, buckets=(1, 2, 4, 8, 16), capture=False):
-    bufs = DecodeBuffers(max_num_reqs, W, BS, device=DEVICE)
+def make(kind, max_num_reqs=24, buckets=(1, 2, 4, 8, 16), capture=False, *, block_size=BS,
+         max_blocks=W, num_kv_blocks=NUM_BLOCKS, **buffer_kw):
+    bufs = DecodeBuffers(max_num_reqs, max_blocks, block_size, device=DEVICE, **buffer_kw)
     table = BucketTable(list(buckets)) if buckets else None
-    if kind == "host":
-        return HostMetadataBackend(bufs, num_kv_blocks=NUM_BLOCKS, vocab_size=VOCAB, buckets=table)
-    return DeviceMetadataBackend(bufs, num_kv_blocks=NUM_BLOCKS, vocab_size=VOCAB, buckets=table,
-                                 capture_prep=capture)
+    kw = dict(capture_prep=capture) if kind == "device" else {}
+    return BACKENDS[kind](bufs, num_kv_blocks=num_kv_blocks, vocab_size=VOCAB, buckets=table,
+                          **kw)
 
 
-def check(md, rows, padded):
-    want = expected(rows, padded, block_size=BS, max_blocks=W)
+def check(md, rows, padded, **truth_kw):
+    want = expected(rows, padded, **{"block_size": BS, "max_blocks": W, **truth_kw})
     for f in FIELDS:
         got = getattr(md, f).cpu().numpy()
         assert got.tolist() == want[f].tolist(), f
@@ -51,16 +55,86 @@ def test_random_trace_matches_truth(seed, capture):
     assert paths == {True, False}, "trace must cover bucketed and eager (too large) steps"
 
 
+class DrawRng:
+    """The ``numpy.random.Generator`` methods TraceGen calls, each choice drawn from hypothesis
+    (so that hypothesis chooses, and shrinks, every arrival, departure and permutation)."""
+
+    def __init__(self, data):
+        self.data = data
+
+    def random(self):
+        return self.data.draw(st.floats(0, 1, exclude_max=True))
+
+    def integers(self, low, high, size=None):
+        ints = st.integers(low, high - 1)
+        if size is None:
+            return self.data.draw(ints)
+        return np.array(self.data.draw(st.lists(ints, min_size=size, max_size=size)), np.int64)
+
+    def choice(self, a, size=None, replace=True):
+        if size is None:
+            return self.data.draw(st.sampled_from(list(a)))
+        assert isinstance(a, int) and not replace  # TraceGen draws distinct rows only
+        return np.array(self.data.draw(st.permutations(range(a)))[:size])
+
+    def permutation(self, x):
+        return np.array(self.data.draw(st.permutations(range(x) if isinstance(x, int) else x)))
+
+
+@st.composite
+def trace_configs(draw):
+    """Odd sizes: buffers of 1 to 11 rows, 1 to 7 block columns of 1 to 5 tokens, a small KV
+    pool (arrivals wait and carried rows get preempted for want of blocks), 0 to 3 buckets (no
+    bucket: every step eager; steps above the largest bucket run eager too), any pad token and
+    seq_len fill, 1 to 10 steps."""
+    max_num_reqs = draw(st.integers(1, 11))
+    block_size = draw(st.integers(1, 5))
+    max_blocks = draw(st.integers(2 if block_size == 1 else 1, 7))  # >= 2 token slots per row
+    sizes = draw(st.lists(st.integers(1, max_num_reqs), unique=True, max_size=3)
+                 | st.lists(st.integers(1, max_num_reqs), unique=True, min_size=1, max_size=3))
+    return dict(max_num_reqs=max_num_reqs, block_size=block_size, max_blocks=max_blocks,
+                num_kv_blocks=draw(st.integers(2, 40)), buckets=sorted(sizes),
+                pad_token_id=draw(st.integers(0, VOCAB - 1)), seq_len_fill=draw(st.integers(1, 3)),
+                num_steps=draw(st.integers(1, 10)))
+
+
+@settings(max_examples=15, deadline=None)
+@given(cfg=trace_configs(), data=st.data())
+def test_drawn_traces_match_truth(cfg, data):
+    """Both backends, fed the same drawn trace, equal the per-request truth on every row of
+    the padded step (real rows and dummy rows) at every step."""
+    sizes = dict(block_size=cfg["block_size"], max_blocks=cfg["max_blocks"])
+    ledger = dict(pad_token_id=cfg["pad_token_id"], seq_len_fill=cfg["seq_len_fill"])
+    pool = dict(num_kv_blocks=cfg["num_kv_blocks"])
+    backends = [make(kind, cfg["max_num_reqs"], cfg["buckets"], **pool, **sizes, **ledger)
+                for kind in BACKENDS]
+    gen = TraceGen(DrawRng(data), max_num_reqs=cfg["max_num_reqs"], vocab=VOCAB, big=True,
+                   **pool, **sizes)
+    for _ in range(cfg["num_steps"]):
+        step, rows = gen.next_step()
+        n = len(rows)
+        padded = n and min((s for s in cfg["buckets"] if s >= n), default=n)
+        for b in backends:
+            md = b.prepare(step)
+            assert (md.num_reqs, md.padded_size) == (n, padded)
+            check(md, rows, padded, **sizes, **ledger)
+        toks = torch.from_numpy(gen.sampled(rows)).to(DEVICE)
+        for b in backends:
+            b.buffers.sampled[: len(rows)] = toks
+
+
 def test_permutations_in_place():
     """Swaps, 3-cycles, condense and reversal on a full batch with long rows."""
     dev = make("device", max_num_reqs=8, buckets=(8,))
     rows = list(range(8))
     blocks = {r: [1 + W * r + c for c in range(W)] for r in rows}
     pos = {r: 4 * BS + r % 3 for r in rows}  # all W blocks given: no appends needed
-    first = DecodeStep.build([100 + r for r in rows], {i: (i, pos[r], blocks[r]) for i, r in enumerate(rows)})
+    first = DecodeStep.build([100 + r for r in rows],
+                             {i: (i, pos[r], blocks[r]) for i, r in enumerate(rows)})
     dev.prepare(first)
     dev.buffers.sampled[:8] = torch.arange(8, dtype=torch.int32) + 500
-    orders = [[1, 0, 2, 3, 4, 5, 6, 7], [2, 0, 1, 3, 4, 5, 7, 6], list(range(7, -1, -1)), [7, 1, 2, 6]]
+    orders = [[1, 0, 2, 3, 4, 5, 6, 7], [2, 0, 1, 3, 4, 5, 7, 6], list(range(7, -1, -1)),
+              [7, 1, 2, 6]]
     prev = rows
     for order in orders:
         ids = [prev[i] for i in order]  # rows of the previous step, by request
@@ -78,7 +152,8 @@ def test_permutations_in_place():
 
 def test_shrink_within_bucket_clears_tail_and_reused_row():
     dev = make("device", max_num_reqs=8, buckets=(8,))
-    md = dev.prepare(DecodeStep.build([1, 2, 3], {0: (7, 9, [5, 6, 7]), 1: (8, 1, [9]), 2: (9, 2, [10])}))
+    md = dev.prepare(DecodeStep.build([1, 2, 3], {0: (7, 9, [5, 6, 7]), 1: (8, 1, [9]),
+                                                  2: (9, 2, [10])}))
     md = dev.prepare(DecodeStep.build([3], {0: (4, 2, [11])}))  # request 3 restarts in row 0
     assert md.block_table[0].tolist() == [11, 0, 0, 0, 0, 0]  # no stale 6, 7 from request 1
     assert md.block_table[1:3].eq(0).all() and md.seq_lens[1:].eq(1).all()
@@ -86,11 +161,11 @@ def test_shrink_within_bucket_clears_tail_and_reused_row():
     assert md.query_start_loc.tolist() == list(range(9)) and md.counts.tolist() == [1, 1]
 
 
-@pytest.mark.parametrize("kind", ["device", "host"])
+@pytest.mark.parametrize("kind", BACKENDS)
 def test_block_boundary_and_int64_slots(kind):
     big = 2**27  # block id * block_size overflows int32
     bufs = DecodeBuffers(2, 2, 32, device=DEVICE)
-    cls = DeviceMetadataBackend if kind == "device" else HostMetadataBackend
+    cls = BACKENDS[kind]
     dev = cls(bufs, num_kv_blocks=big + 10, vocab_size=VOCAB)
     md = dev.prepare(DecodeStep.build([1], {0: (3, 31, [big + 1])}))
     assert md.slot_mapping.tolist() == [(big + 1) * 32 + 31]
@@ -98,7 +173,7 @@ def test_block_boundary_and_int64_slots(kind):
     assert md.positions.tolist() == [32] and md.slot_mapping.tolist() == [(big + 2) * 32]
 
 
-@pytest.mark.parametrize("kind", ["device", "host"])
+@pytest.mark.parametrize("kind", BACKENDS)
 def test_restart_in_place_and_moved(kind):
     """A request still in the previous batch that restarts (recompute): its payload wins."""
     b = make(kind, max_num_reqs=4, buckets=(4,))
@@ -112,7 +187,7 @@ def test_restart_in_place_and_moved(kind):
     assert md.slot_mapping[:2].tolist() == [14 * BS, 12 * BS + 2]
 
 
-@pytest.mark.parametrize("kind", ["device", "host"])
+@pytest.mark.parametrize("kind", BACKENDS)
 def test_departed_request_needs_payload_to_return(kind):
     b = make(kind)
     b.prepare(DecodeStep.build([1, 2], {0: (5, 0, [7]), 1: (6, 0, [8])}))
@@ -136,9 +211,13 @@ def test_empty_step_zeroes_counts():
     assert md.counts.tolist() == [0, 0] and md.padded_size == 0
 
 
-def snapshot(backend):
-    b = backend.buffers
-    return {k: v.clone() for k, v in vars(b).items() if isinstance(v, torch.Tensor)}
+def snapshot(buffers):
+    """Copies of every tensor of ``buffers`` (fields, row state, staging, scratch)."""
+    return {k: v.clone() for k, v in vars(buffers).items() if isinstance(v, torch.Tensor)}
+
+
+def unchanged(buffers, before):
+    return all(torch.equal(before[k], getattr(buffers, k)) for k in before)
 
 
 GROW = [(1, 9)]  # request 2 (row 1) moves from position 3 to 4: its second block
@@ -146,35 +225,120 @@ BAD = [
     ("unknown request", dict(req_ids=[1, 2, 9]), ValueError, "request 9.*no new-row payload"),
     ("duplicate id", dict(req_ids=[1, 1]), ValueError, "request id 1 appears twice"),
     ("null block", dict(req_ids=[1, 2, 3], new={2: (1, 0, [0])}), ValueError, "block id 0"),
-    ("block past pool", dict(req_ids=[1, 2, 3], new={2: (1, 0, [NUM_BLOCKS])}), ValueError, "block id 400"),
-    ("position past max", dict(req_ids=[1, 2, 3], new={2: (1, W * BS, [1] * W)}), ValueError, "position 24"),
-    ("blocks too few", dict(req_ids=[1, 2, 3], new={2: (1, 8, [1, 2])}), ValueError, "needs 3 blocks"),
-    ("token past vocab", dict(req_ids=[1, 2, 3], new={2: (VOCAB, 0, [1])}), ValueError, "token 1000"),
-    ("missing append", dict(req_ids=[1, 2], appends=[]), ValueError, "request 2.*needs block column 1"),
+    ("block past pool", dict(req_ids=[1, 2, 3], new={2: (1, 0, [NUM_BLOCKS])}), ValueError,
+     "block id 400"),
+    ("position past max", dict(req_ids=[1, 2, 3], new={2: (1, W * BS, [1] * W)}), ValueError,
+     "position 24"),
+    ("blocks too few", dict(req_ids=[1, 2, 3], new={2: (1, 8, [1, 2])}), ValueError,
+     "needs 3 blocks"),
+    ("token past vocab", dict(req_ids=[1, 2, 3], new={2: (VOCAB, 0, [1])}), ValueError,
+     "token 1000"),
+    ("missing append", dict(req_ids=[1, 2], appends=[]), ValueError,
+     "request 2.*needs block column 1"),
     ("append to new row", dict(req_ids=[1, 2, 3], new={2: (1, 0, [1])}, appends=GROW + [(2, 5)]),
      ValueError, "is a new row"),
     ("too many rows", dict(req_ids=list(range(10, 35))), ValueError, "exceed max_num_reqs"),
 ]
 
 
-@pytest.mark.parametrize("kind", ["device", "host"])
+@pytest.mark.parametrize("kind", BACKENDS)
 @pytest.mark.parametrize("name,kw,exc,match", BAD, ids=[b[0] for b in BAD])
 def test_invalid_step_changes_nothing(kind, name, kw, exc, match):
     backend = make(kind)
     backend.prepare(DecodeStep.build([1, 2], {0: (5, 2, [7]), 1: (6, 3, [8])}))
-    before = snapshot(backend)
+    before = snapshot(backend.buffers)
     with pytest.raises(exc, match=match):
         backend.prepare(DecodeStep.build(kw["req_ids"], kw.get("new"), kw.get("appends", GROW)))
-    after = snapshot(backend)
-    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert unchanged(backend.buffers, before)
     md = backend.prepare(DecodeStep.build([1, 2], appends=GROW))  # the mirror is intact
     assert md.positions.tolist() == [3, 4] and md.slot_mapping.tolist() == [31, 36]
 
 
-def test_decode_step_type_errors():
-    with pytest.raises(TypeError, match="req_ids must hold integers"):
-        DecodeStep(req_ids=np.array([1.5]))
-    with pytest.raises(ValueError, match="new_rows must be 1-D"):
-        DecodeStep(req_ids=[1], new_rows=np.zeros((1, 1), np.int32))
-    with pytest.raises(ValueError, match="new_tokens has values that do not fit int32"):
-        DecodeStep(req_ids=[1], new_tokens=[2**40])
+# --- the pad token must be a token of the model (fault 5) -----------------------------------
+
+@pytest.mark.parametrize("kind", BACKENDS)
+@pytest.mark.parametrize("pad", [VOCAB, VOCAB + 1, 10**6])
+def test_pad_token_outside_vocab_refused(kind, pad):
+    """Refused when the backend is built (dummy rows would embed it), naming pad_token_id, and
+    before anything is written: fresh buffers stay unowned and as allocated."""
+    bufs = DecodeBuffers(4, 4, 16, pad_token_id=pad, device=DEVICE)
+    bufs.input_ids.fill_(VOCAB - 7)  # not the pad token: a reset would show
+    before = snapshot(bufs)
+    with pytest.raises(ValueError, match=rf"pad_token_id {pad} is outside the vocabulary "
+                                         rf"\[0, {VOCAB}\)"):
+        BACKENDS[kind](bufs, num_kv_blocks=NUM_BLOCKS, vocab_size=VOCAB)
+    assert bufs.owner is None and unchanged(bufs, before)
+
+
+@pytest.mark.parametrize("kind", BACKENDS)
+def test_pad_token_refused_over_owned_buffers(kind):
+    """Over buffers another backend owns (a larger vocabulary): that backend keeps them and
+    keeps working, and nothing it wrote changes."""
+    bufs = DecodeBuffers(4, 4, 16, pad_token_id=VOCAB, device=DEVICE)
+    owner = BACKENDS[kind](bufs, num_kv_blocks=NUM_BLOCKS, vocab_size=VOCAB + 1,
+                           buckets=BucketTable([4]))
+    owner.prepare(DecodeStep.build([1], {0: (3, 17, [5, 6])}))
+    before = snapshot(bufs)
+    with pytest.raises(ValueError, match=rf"pad_token_id {VOCAB} is outside"):
+        BACKENDS[kind](bufs, num_kv_blocks=NUM_BLOCKS, vocab_size=VOCAB)
+    assert bufs.owner is owner and unchanged(bufs, before)
+    md = owner.prepare(DecodeStep.build([1]))
+    assert md.positions.tolist() == [18, 0, 0, 0] and md.input_ids[1:].tolist() == [VOCAB] * 3
+
+
+@pytest.mark.parametrize("kind", BACKENDS)
+def test_pad_token_last_of_vocab_accepted(kind):
+    """vocab_size - 1 is a token: accepted, and it is what the dummy rows hold."""
+    bufs = DecodeBuffers(4, 4, 16, pad_token_id=VOCAB - 1, device=DEVICE)
+    backend = BACKENDS[kind](bufs, num_kv_blocks=NUM_BLOCKS, vocab_size=VOCAB,
+                             buckets=BucketTable([4]))
+    assert bufs.owner is backend
+    md = backend.prepare(DecodeStep.build([1], {0: (3, 0, [5])}))
+    assert md.input_ids.tolist() == [3, VOCAB - 1, VOCAB - 1, VOCAB - 1]
+
+
+# --- two backends over the same buffers, one after the other (fault 9) ----------------------
+
+def _table_row(*blocks, width=8):
+    return list(blocks) + [0] * (width - len(blocks))
+
+
+@pytest.mark.parametrize("first,second", [("host", "host"), ("device", "host"),
+                                          ("host", "device"), ("device", "device")])
+def test_backend_built_over_used_buffers_starts_clean(first, second):
+    """Requests 1 and 2 in rows 0 and 1 with 7 and 3 blocks, written by one backend; then a
+    fresh backend over the same buffers stages request 3 alone, blocks [11, 12]. Every row of
+    every field is what the fresh backend's step alone implies: nothing of rows 0 and 1 is
+    left past request 3's blocks or in the dummy rows. The earlier backend refuses to go on."""
+    bs, width, pad, fill = 4, 8, 7, 2
+    kw = dict(num_kv_blocks=64, vocab_size=VOCAB, buckets=BucketTable([4]))
+    bufs = DecodeBuffers(4, width, bs, device=DEVICE, pad_token_id=pad, seq_len_fill=fill)
+    a = BACKENDS[first](bufs, **kw)
+    blocks_1, blocks_2 = [21, 22, 23, 24, 25, 26, 27], [31, 32, 33]
+    md = a.prepare(DecodeStep.build([1, 2], {0: (5, 26, blocks_1), 1: (6, 9, blocks_2)}))
+    assert md.block_table.tolist() == [blocks_1 + [0], _table_row(*blocks_2),
+                                       _table_row(), _table_row()]
+    bufs.sampled[:2] = torch.tensor([40, 41], dtype=torch.int32)
+
+    b = BACKENDS[second](bufs, **kw)
+    md = b.prepare(DecodeStep.build([3], {0: (9, 5, [11, 12])}))
+    assert (md.num_reqs, md.padded_size) == (1, 4)
+    # Request 3: token 9 at position 5 = block 12, offset 1 -> slot 12 * 4 + 1; 6 tokens.
+    # Rows 1-3 are dummy rows: pad token, position 0, no KV write, seq_len fill, null block.
+    want = dict(input_ids=[9, pad, pad, pad], positions=[5, 0, 0, 0],
+                slot_mapping=[12 * bs + 1, -1, -1, -1], seq_lens=[6, fill, fill, fill],
+                query_start_loc=[0, 1, 2, 3, 4], counts=[1, 1],
+                block_table=[_table_row(11, 12), _table_row(), _table_row(), _table_row()])
+    for f, v in want.items():
+        assert getattr(bufs, f).tolist() == v, f  # the whole buffers: every row
+        assert getattr(md, f).tolist() == v, f
+
+    before = snapshot(bufs)
+    for step in (DecodeStep.build([1, 2]), DecodeStep.build([4], {0: (1, 0, [13])})):
+        with pytest.raises(RuntimeError, match="another backend .* has taken these buffers"):
+            a.stage(step)
+        with pytest.raises(RuntimeError, match="another backend"):
+            a.prepare(step)
+    assert unchanged(bufs, before) and bufs.owner is b
+    md = b.prepare(DecodeStep.build([3]))  # the fresh backend goes on: position 6, block 12
+    assert md.positions.tolist() == [6, 0, 0, 0] and md.slot_mapping[0] == 12 * bs + 2

@@ -3,48 +3,14 @@ per-request full-recompute reference, dummy rows stay dummy, and the block alloc
 import random
 
 import pytest
-import torch
 
 from zos.buffers import NULL_BLOCK, PAD_SLOT_ID
 from zos.serving.engine import Engine, EngineConfig, Request, _place
 from zos.serving.kv_blocks import BlockAllocator
-from zos.serving.models import LlamaConfig, allocate_kv_cache, random_llama
 
-from conftest import DEVICE
-from helpers import attention_meta
+from helpers import DEVICE, LLAMA_BLOCK_SIZE, LLAMA_CFG, greedy_reference
 
-VOCAB, BS = 101, 4
-CFG = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                  max_position_embeddings=256)
-
-
-@pytest.fixture(scope="module")
-def model():
-    return random_llama(CFG, seed=0, device=DEVICE)
-
-
-def reference(model, prompt, max_new, eos=None):
-    """Greedy decode of one request alone, recomputing the whole sequence for every token
-    (one prefill from position 0, contiguous blocks 1..n): no KV reuse, no paging tricks."""
-    seq, out = list(prompt), []
-    nb = -(-(len(prompt) + max_new) // BS)
-    caches = allocate_kv_cache(CFG.num_hidden_layers, nb + 1, BS, CFG.num_key_value_heads,
-                               CFG.head_dim, torch.float32, DEVICE)
-    table = torch.arange(1, nb + 1, dtype=torch.int32, device=DEVICE)[None]
-    while len(out) < max_new and (not out or out[-1] != eos):
-        n = len(seq)
-        i32 = dict(dtype=torch.int32, device=DEVICE)
-        meta = attention_meta(
-            torch.arange(BS, BS + n, dtype=torch.int64, device=DEVICE),
-            torch.tensor([n], **i32), torch.tensor([0, n], **i32), table,
-            query_lens_host=[n], seq_lens_host=[n])
-        with torch.no_grad():
-            hidden = model(torch.tensor(seq, device=DEVICE), torch.arange(n, **i32), caches,
-                           meta, True)
-            out.append(int(model.compute_logits(hidden[-1:]).argmax(-1)))
-        seq.append(out[-1])
-    return out
+VOCAB, BS = LLAMA_CFG.vocab_size, LLAMA_BLOCK_SIZE
 
 
 def make_requests(seed, n=14):
@@ -113,9 +79,9 @@ def check_layouts(layouts):
 
 
 @pytest.mark.parametrize("seed", [0, 1])
-def test_backends_match_each_other_and_reference(model, seed):
+def test_backends_match_each_other_and_reference(llama, seed):
     reqs = make_requests(seed)
-    full = {r.req_id: reference(model, r.prompt, r.max_new_tokens) for r in reqs}
+    full = {r.req_id: greedy_reference(llama, r.prompt, r.max_new_tokens) for r in reqs}
     counts = {}
     for toks in full.values():  # eos: the token most requests generate (not as the last token)
         for t in set(toks[:-1]):
@@ -125,7 +91,7 @@ def test_backends_match_each_other_and_reference(model, seed):
     assert sum(len(want[r]) < len(full[r]) for r in want) >= 2, "eos must stop some requests"
     got = {}
     for backend in ("zos", "host"):
-        out, records, watch, engine = drive(model, backend, make_requests(seed), eos)
+        out, records, watch, engine = drive(llama, backend, make_requests(seed), eos)
         got[backend] = (out, [(s.kind, s.path, s.num_reqs, s.padded_size) for s in records])
         assert out == want, backend
         assert engine.num_preemptions > 0, "the run must preempt (few blocks)"
@@ -139,13 +105,14 @@ def test_backends_match_each_other_and_reference(model, seed):
     assert got["zos"] == got["host"]
 
 
-def test_run_totals_and_progress(model):
+def test_run_totals_and_progress(llama):
     seen = []
     cfg = EngineConfig(block_size=BS, num_kv_blocks=40, max_num_seqs=4, max_model_len=32,
                        max_prefill_tokens=64, backend="zos", buckets=[1, 2, 4])
     reqs = make_requests(3, n=5)
-    res = Engine(model, cfg, DEVICE).run(reqs, progress=seen.append)
-    assert res.outputs == {r.req_id: reference(model, r.prompt, r.max_new_tokens) for r in reqs}
+    res = Engine(llama, cfg, DEVICE).run(reqs, progress=seen.append)
+    assert res.outputs == {r.req_id: greedy_reference(llama, r.prompt, r.max_new_tokens)
+                           for r in reqs}
     t = res.totals
     assert seen == res.steps and t["steps"] == len(res.steps)
     assert t["tokens"] == sum(r.max_new_tokens for r in reqs) and t["requests"] == 5
@@ -153,15 +120,15 @@ def test_run_totals_and_progress(model):
     assert all(s.upload_bytes > 0 and s.metadata_us > 0 for s in res.steps)
 
 
-def test_request_validation(model):
-    engine = Engine(model, EngineConfig(block_size=BS, num_kv_blocks=10, max_num_seqs=2,
+def test_request_validation(llama):
+    engine = Engine(llama, EngineConfig(block_size=BS, num_kv_blocks=10, max_num_seqs=2,
                                         max_model_len=16, bucket_policy=None), DEVICE)
     for bad in (Request(0, [], 3), Request(1, [VOCAB], 3), Request(2, [1] * 10, 7),
                 Request(3, [1], 0)):
         with pytest.raises(ValueError):
             engine.add_request(bad)
     with pytest.raises(ValueError, match="num_kv_blocks"):
-        Engine(model, EngineConfig(block_size=BS, num_kv_blocks=4, max_model_len=16), DEVICE)
+        Engine(llama, EngineConfig(block_size=BS, num_kv_blocks=4, max_model_len=16), DEVICE)
 
 
 def test_place_fills_holes_then_condenses():
@@ -208,13 +175,13 @@ def test_block_allocator():
         alloc.allocate(-1)
 
 
-def test_preempts_most_recently_admitted(model):
+def test_preempts_most_recently_admitted(llama):
     """Two requests outgrow 4 usable blocks: the later one gives its blocks back, is resumed by
     recomputing prompt + output, and both still equal the reference."""
     cfg = EngineConfig(block_size=BS, num_kv_blocks=5, max_num_seqs=2, max_model_len=16,
                        backend="zos", buckets=[1, 2])
     reqs = [Request(0, [5, 6, 7], 12), Request(1, [8, 9, 10], 12)]
-    res = Engine(model, cfg, DEVICE).run(reqs)
+    res = Engine(llama, cfg, DEVICE).run(reqs)
     assert [r.num_preemptions for r in reqs][0] == 0 and reqs[1].num_preemptions >= 1
-    assert res.outputs == {r.req_id: reference(model, r.prompt, 12) for r in reqs}
+    assert res.outputs == {r.req_id: greedy_reference(llama, r.prompt, 12) for r in reqs}
     assert res.totals["preemptions"] == reqs[1].num_preemptions

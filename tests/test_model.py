@@ -15,7 +15,7 @@ from zos.serving.models import (
     weights,
 )
 
-from conftest import DEVICE as DEV
+from helpers import DEVICE as DEV
 from helpers import attention_meta, to_device
 
 I32, I64 = torch.int32, torch.int64
@@ -237,7 +237,8 @@ def test_smollm2_greedy_matches_transformers(smollm2):
                for q in questions]  # transformers 5: a BatchEncoding, 4.x: a list
     prompts = [p if isinstance(p, list) else list(p["input_ids"]) for p in prompts]
     n_new = 12
-    _, toks = _greedy(PagedDriver(model, num_kv_blocks=64, block_size=16, width=5), prompts, n_new, 4)
+    drv = PagedDriver(model, num_kv_blocks=64, block_size=16, width=5)
+    _, toks = _greedy(drv, prompts, n_new, 4)
     eos = model.config.eos_token_id
     for r, p in enumerate(prompts):
         with torch.no_grad():

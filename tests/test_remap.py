@@ -1,10 +1,15 @@
-"""compute_remap (zos._C) against a Python dict reference."""
+"""compute_remap (zos._C) against a Python dict reference: exhaustive small batches, seeded
+large ones, and batches drawn by hypothesis (any int64 ids, duplicates included)."""
 import itertools
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from zos import compute_remap
+
+INT64 = st.integers(-2**63, 2**63 - 1)
 
 
 def reference(prev, curr):
@@ -46,6 +51,62 @@ def test_random_against_dict(seed, p, n):
     out, missing = run(prev, curr)
     ref = reference(prev.tolist(), curr.tolist())
     assert out.tolist() == ref and missing == ref.count(-1)
+
+
+@st.composite
+def prev_and_curr(draw):
+    """Two batches of distinct int64 ids (0 to 70 of them, ids near 0 and the int64 extremes
+    included: hypothesis favours them): curr carries any subset of prev, in any order, among
+    new ids."""
+    size = draw(st.integers(0, 70))
+    pool = draw(st.lists(INT64, unique=True, min_size=size, max_size=size))
+    p = draw(st.integers(0, size))
+    prev, fresh = pool[:p], pool[p:]
+    keep = draw(st.lists(st.booleans(), min_size=p, max_size=p))
+    carried = [rid for rid, k in zip(prev, keep) if k]
+    curr = draw(st.permutations(carried + fresh[: draw(st.integers(0, len(fresh)))]))
+    return prev, curr
+
+
+@settings(max_examples=150, deadline=None)
+@given(batches=prev_and_curr(), extra=st.integers(0, 3))
+def test_drawn_against_dict(batches, extra):
+    prev, curr = batches
+    out, missing = run(prev, curr, extra)
+    ref = reference(prev, curr)
+    assert out[: len(curr)].tolist() == ref and missing == ref.count(-1)
+    assert out[len(curr):].tolist() == [12345] * extra  # nothing written past N
+
+
+def first_duplicate(ids):
+    """(id, first position, second position) of the first repeat in ``ids``, or None."""
+    seen = {}
+    for j, x in enumerate(ids):
+        if x in seen:
+            return x, seen[x], j
+        seen[x] = j
+    return None
+
+
+@settings(max_examples=200, deadline=None)
+@given(prev=st.lists(st.integers(-3, 5), max_size=9), curr=st.lists(st.integers(-3, 5),
+                                                                      max_size=9))
+def test_drawn_duplicates_named_before_writing(prev, curr):
+    """Few distinct ids, so repeats are common: the first repeat of prev, else of curr, is named
+    with both positions and nothing is written; without repeats, the dict reference."""
+    out = np.full(len(curr) + 1, 12345, np.int32)
+    dup = [(name, first_duplicate(ids)) for name, ids in (("prev", prev), ("curr", curr))]
+    dup = [(name, d) for name, d in dup if d is not None]
+    if dup:
+        name, (rid, i, j) = dup[0]
+        with pytest.raises(ValueError, match=rf"^{name}_req_ids: request id {rid} appears twice, "
+                                             rf"at positions {i} and {j}$"):
+            compute_remap(np.asarray(prev, np.int64), np.asarray(curr, np.int64), out)
+        assert (out == 12345).all()
+    else:
+        missing = compute_remap(np.asarray(prev, np.int64), np.asarray(curr, np.int64), out)
+        ref = reference(prev, curr)
+        assert out.tolist() == ref + [12345] and missing == ref.count(-1)
 
 
 def test_all_carried_and_all_new():

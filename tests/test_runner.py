@@ -2,25 +2,21 @@
 matches a full-recompute reference, and reports path, bucket and upload size."""
 import pytest
 import torch
-from test_engine import CFG, reference
 
 from zos import BucketTable, DecodeBuffers, DecodeStep, DeviceMetadataBackend, HostMetadataBackend
-from zos.serving.models import allocate_kv_cache, random_llama
+from zos.serving.models import allocate_kv_cache
 from zos.serving.runner import GraphRunner
 
-from conftest import DEVICE
+from helpers import DEVICE, LLAMA_BLOCK_SIZE, LLAMA_CFG, greedy_reference
 
-BS, W, NUM_BLOCKS, SENTINEL = 4, 4, 32, 55
-
-
-@pytest.fixture(scope="module")
-def model():
-    return random_llama(CFG, seed=1, device=DEVICE)
+CFG = LLAMA_CFG
+BS, W, NUM_BLOCKS, SENTINEL = LLAMA_BLOCK_SIZE, 4, 32, 55
 
 
 def make_runner(model, kind, max_num_reqs=8, q=1):
     bufs = DecodeBuffers(max_num_reqs, W, BS, uniform_decode_query_len=q, device=DEVICE)
-    kw = dict(num_kv_blocks=NUM_BLOCKS, vocab_size=CFG.vocab_size, buckets=BucketTable([2, 4], uniform_decode_query_len=q))
+    kw = dict(num_kv_blocks=NUM_BLOCKS, vocab_size=CFG.vocab_size,
+              buckets=BucketTable([2, 4], uniform_decode_query_len=q))
     backend = (DeviceMetadataBackend(bufs, **kw) if kind == "zos"
                else HostMetadataBackend(bufs, **kw))
     caches = allocate_kv_cache(CFG.num_hidden_layers, NUM_BLOCKS, BS, CFG.num_key_value_heads,
@@ -29,8 +25,8 @@ def make_runner(model, kind, max_num_reqs=8, q=1):
 
 
 @pytest.mark.parametrize("kind", ["zos", "host"])
-def test_eager_decode_samples_real_rows_only(model, kind):
-    runner = make_runner(model, kind)
+def test_eager_decode_samples_real_rows_only(llama, kind):
+    runner = make_runner(llama, kind)
     sampled = runner.buffers.sampled
     sampled.fill_(SENTINEL)
     assert runner.capture() == 0  # graphs off (and no CUDA here)
@@ -42,7 +38,7 @@ def test_eager_decode_samples_real_rows_only(model, kind):
         assert res.upload_bytes > 0 and res.prep_us > 0
         got = sampled.tolist()
         for row, rid in enumerate(rids):
-            assert got[row] == reference(model, seqs[rid], 1)[0], (row, rid)
+            assert got[row] == greedy_reference(llama, seqs[rid], 1)[0], (row, rid)
             seqs[rid].append(got[row])
         return got
 
@@ -64,25 +60,25 @@ def test_eager_decode_samples_real_rows_only(model, kind):
     assert runner.buffers.accepted.tolist() == [1] * 8
 
 
-def test_prefill_and_errors(model):
-    runner = make_runner(model, "zos")
+def test_prefill_and_errors(llama):
+    runner = make_runner(llama, "zos")
     prompts = [[1, 2, 3, 4, 5], [9], [4, 4, 4, 4, 4, 4, 4, 4, 4]]
     tokens, us, nbytes = runner.prefill([(p, [1 + 3 * i, 2 + 3 * i, 3 + 3 * i])
                                          for i, p in enumerate(prompts)])
-    assert tokens == [reference(model, p, 1)[0] for p in prompts] and us > 0 and nbytes > 0
+    assert tokens == [greedy_reference(llama, p, 1)[0] for p in prompts] and us > 0 and nbytes > 0
     with pytest.raises(ValueError, match="blocks"):
         runner.prefill([([1] * 5, [1])])
     with pytest.raises(ValueError, match="empty"):
         runner.decode(DecodeStep.build([]))
     with pytest.raises(ValueError, match="uniform_decode_query_len must be 1"):
-        make_runner(model, "zos", q=2)
+        make_runner(llama, "zos", q=2)
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("kind", ["zos", "host"])
-def test_graph_replay_matches_eager(model, kind):
+def test_graph_replay_matches_eager(llama, kind):
     """Same steps through captured graphs and eagerly: same sampled tokens, same dummy rows."""
-    graph, eager = make_runner(model, kind), make_runner(model, kind)
+    graph, eager = make_runner(llama, kind), make_runner(llama, kind)
     graph.use_cuda_graph = True
     assert graph.capture() == 2 and graph.capture_seconds > 0
     steps = [DecodeStep.build([10, 11, 12], {i: (7 + i, 0, [1 + i]) for i in range(3)}),

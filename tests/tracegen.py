@@ -27,9 +27,11 @@ class TraceGen:
     one step, swaps, 3-cycles, shuffles, condense, shrink within a bucket, growth
     past the largest bucket and positions on block boundaries."""
 
-    def __init__(self, seed, *, max_num_reqs, block_size, max_blocks, num_kv_blocks, vocab, big=False):
+    def __init__(self, seed, *, max_num_reqs, block_size, max_blocks, num_kv_blocks, vocab,
+                 big=False):
         self.rng = np.random.default_rng(seed)
-        self.max_num_reqs, self.bs, self.w, self.vocab, self.big = max_num_reqs, block_size, max_blocks, vocab, big
+        self.max_num_reqs, self.bs, self.w = max_num_reqs, block_size, max_blocks
+        self.vocab, self.big = vocab, big
         self.free = [int(b) for b in self.rng.permutation(np.arange(1, num_kv_blocks))]
         self.rows: list[Req] = []  # the previous step's rows, in order
         self.returning: list[Req] = []  # absent last step or preempted: come back with payload
@@ -42,7 +44,8 @@ class TraceGen:
         return out
 
     def _arrival(self):
-        pos = int(self.rng.choice([0, self.bs - 1, self.bs, 2 * self.bs, int(self.rng.integers(0, 3 * self.bs))]))
+        bs = self.bs
+        pos = int(self.rng.choice([0, bs - 1, bs, 2 * bs, int(self.rng.integers(0, 3 * bs))]))
         blocks = self._alloc(pos // self.bs + 1)
         if blocks is None:
             return None
@@ -76,7 +79,9 @@ class TraceGen:
                 continue
             r.blocks += more
             incoming.append(r)
-        want = int(rng.integers(0, 4)) + (int(rng.integers(8, 20)) if self.big and rng.random() < 0.2 else 0)
+        want = int(rng.integers(0, 4))
+        if self.big and rng.random() < 0.2:
+            want += int(rng.integers(8, 20))
         for _ in range(want):
             r = self._arrival()
             if r is not None:
@@ -100,8 +105,8 @@ class TraceGen:
             i, j = rng.choice(k, 2, replace=False)
             rows[i], rows[j] = rows[j], rows[i]
         elif k >= 3 and u < 0.35:
-            i, j, l = rng.choice(k, 3, replace=False)
-            rows[i], rows[j], rows[l] = rows[l], rows[i], rows[j]
+            i, j, m = rng.choice(k, 3, replace=False)
+            rows[i], rows[j], rows[m] = rows[m], rows[i], rows[j]
         elif u < 0.45:
             rows = [rows[i] for i in rng.permutation(k)]
         while len(rows) > self.max_num_reqs:  # over capacity: send the newest back

@@ -7,20 +7,45 @@ from dataclasses import dataclass, field
 import numpy as np
 
 _I32, _I64 = np.dtype(np.int32), np.dtype(np.int64)
+_RANGE = {d: (int(np.iinfo(d).min), int(np.iinfo(d).max)) for d in (_I32, _I64)}
 
 
-def _as(name: str, value, dtype: np.dtype) -> np.ndarray:
-    arr = np.asarray(value)
-    if arr.dtype == dtype and arr.ndim == 1 and arr.flags.c_contiguous:
-        return arr
-    if arr.size and arr.dtype.kind not in "iu":
-        raise TypeError(f"{name} must hold integers, got dtype {arr.dtype}")
-    if arr.ndim != 1:
-        raise ValueError(f"{name} must be 1-D, got shape {arr.shape}")
-    out = np.ascontiguousarray(arr, dtype=dtype)
-    if arr.size and not np.array_equal(out, arr):
-        raise ValueError(f"{name} has values that do not fit {dtype}")
-    return out
+def _ints(name: str, values, dtype: np.dtype, label=None) -> np.ndarray:
+    """``values`` as a 1-D ``dtype`` array, else a TypeError / ValueError naming the field.
+
+    An array (numpy, or anything with ``__array__``) must have an integer dtype; any other
+    iterable must hold Python or numpy ints (no bools, floats, strings or sequences). Every
+    value must fit ``dtype``: nothing is truncated, wrapped or rounded. ``label(i)`` names
+    element ``i`` in messages (default ``name[i]``).
+    """
+    label = label or (lambda i: f"{name}[{i}]")
+    lo, hi = _RANGE[dtype]
+    if hasattr(values, "__array__"):
+        arr = np.asarray(values)
+        if arr.dtype == dtype and arr.ndim == 1 and arr.flags.c_contiguous:
+            return arr
+        if arr.dtype.kind not in "iu":
+            raise TypeError(f"{name} must hold integers, got an array of dtype {arr.dtype}")
+        if arr.ndim != 1:
+            raise ValueError(f"{name} must be 1-D, got shape {arr.shape}")
+        if arr.size and (arr.min() < lo or arr.max() > hi):
+            i = int(np.flatnonzero((arr < lo) | (arr > hi))[0])
+            raise ValueError(f"{label(i)} = {arr[i]} does not fit {dtype} [{lo}, {hi}]")
+        return np.ascontiguousarray(arr, dtype=dtype)
+    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+        raise TypeError(f"{name} must be a sequence of ints, got {type(values).__name__} "
+                        f"{values!r}")
+    values = list(values)
+    if not values:
+        return np.zeros(0, dtype)
+    for t in set(map(type, values)):  # one check per element type, not per element
+        if issubclass(t, (bool, np.bool_)) or not issubclass(t, (int, np.integer)):
+            i = next(i for i, v in enumerate(values) if type(v) is t)
+            raise TypeError(f"{label(i)} must be an int, got {t.__name__} {values[i]!r}")
+    if min(values) < lo or max(values) > hi:
+        i = next(i for i, v in enumerate(values) if not lo <= v <= hi)
+        raise ValueError(f"{label(i)} = {values[i]} does not fit {dtype} [{lo}, {hi}]")
+    return np.array(values, dtype=dtype)
 
 
 @dataclass
@@ -46,9 +71,13 @@ class DecodeStep:
         append_rows: int32 [A], carried rows that get a block this step.
         append_block_ids: int32 [A], the block appended after that row's last.
 
+    Every field takes a numpy integer array or a sequence of ints; nothing is cast.
+
     Raises:
-        TypeError: a field holds non-integers.
-        ValueError: a field is not 1-D or a value does not fit the dtype.
+        TypeError: a field is not a sequence of ints (a float, bool, string or nested
+            sequence in it, or an array of a non-integer dtype); the field is named.
+        ValueError: a field is not 1-D, or a value does not fit its dtype (int64 for
+            ``req_ids``, int32 for the others); the field, element and value are named.
     """
 
     req_ids: np.ndarray
@@ -61,10 +90,10 @@ class DecodeStep:
     append_block_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
 
     def __post_init__(self) -> None:
-        self.req_ids = _as("req_ids", self.req_ids, _I64)
+        self.req_ids = _ints("req_ids", self.req_ids, _I64)
         for name in ("new_rows", "new_tokens", "new_positions", "new_block_indptr",
                      "new_block_ids", "append_rows", "append_block_ids"):
-            setattr(self, name, _as(name, getattr(self, name), _I32))
+            setattr(self, name, _ints(name, getattr(self, name), _I32))
 
     @property
     def num_reqs(self) -> int:
@@ -81,23 +110,66 @@ class DecodeStep:
         """Convenience constructor from Python objects.
 
         Args:
-            req_ids: request id per row.
-            new: ``{row: (token, position, block_ids)}`` for new rows.
+            req_ids: request id per row (ints, or an integer array).
+            new: ``{row: (token, position, block_ids)}`` for new rows (``block_ids`` any
+                iterable of ints, or an integer array).
             appends: ``(row, block_id)`` pairs, in append order.
+
+        Raises:
+            TypeError, ValueError: as the constructor, naming the field it would fill
+                (``req_ids``, ``new_rows``, ``new_tokens``, ``new_positions``,
+                ``new_block_ids``, ``append_rows``, ``append_block_ids``) and the row;
+                also an argument of the wrong shape (``new``, an entry of it, ``appends``).
         """
-        new = dict(new or {})
-        rows = sorted(new)
-        blocks = [list(new[r][2]) for r in rows]
-        indptr = np.zeros(len(rows) + 1, np.int64)
-        indptr[1:] = np.cumsum([len(b) for b in blocks], dtype=np.int64)
-        appends = list(appends)
+        if new is None:
+            new = {}
+        if not isinstance(new, Mapping):
+            raise TypeError(f"new must be a mapping {{row: (token, position, block_ids)}}, "
+                            f"got {type(new).__name__}")
+        keys = list(new)
+        rows = _ints("new_rows", keys, _I32, lambda i: f"new_rows: the key {keys[i]!r} of new")
+        keys = [keys[i] for i in np.argsort(rows, kind="stable")]
+        entries, flat, ends = [], [], [0]
+        for r in keys:
+            try:
+                token, position, block_ids = new[r]
+            except (TypeError, ValueError):
+                raise TypeError(f"new[{r}] must be (token, position, block_ids), got "
+                                f"{new[r]!r}") from None
+            try:
+                if isinstance(block_ids, (str, bytes)):
+                    raise TypeError
+                flat.extend(block_ids)
+            except TypeError:
+                raise TypeError(f"new_block_ids of new row {r} must be a sequence of ints, got "
+                                f"{type(block_ids).__name__} {block_ids!r}") from None
+            entries.append((token, position))
+            ends.append(len(flat))
+        indptr = np.array(ends, np.int64)
+
+        def block_label(i: int) -> str:
+            k = int(np.searchsorted(indptr, i, "right")) - 1
+            return f"new_block_ids[{i - indptr[k]}] of new row {keys[k]}"
+
+        if not isinstance(appends, Iterable):
+            raise TypeError(f"appends must be an iterable of (row, block_id) pairs, got "
+                            f"{type(appends).__name__}")
+        pairs = []
+        for k, a in enumerate(appends):
+            try:
+                row, block_id = a
+            except (TypeError, ValueError):
+                raise TypeError(f"appends[{k}] must be a (row, block_id) pair, got {a!r}") from None
+            pairs.append((row, block_id))
         return cls(
-            req_ids=np.asarray(req_ids, np.int64),
-            new_rows=np.asarray(rows, np.int64),
-            new_tokens=np.asarray([new[r][0] for r in rows], np.int64),
-            new_positions=np.asarray([new[r][1] for r in rows], np.int64),
+            req_ids=_ints("req_ids", req_ids, _I64),
+            new_rows=np.sort(rows),
+            new_tokens=_ints("new_tokens", [e[0] for e in entries], _I32,
+                             lambda i: f"new_tokens of new row {keys[i]}"),
+            new_positions=_ints("new_positions", [e[1] for e in entries], _I32,
+                                lambda i: f"new_positions of new row {keys[i]}"),
             new_block_indptr=indptr,
-            new_block_ids=np.asarray([b for bl in blocks for b in bl], np.int64),
-            append_rows=np.asarray([a[0] for a in appends], np.int64),
-            append_block_ids=np.asarray([a[1] for a in appends], np.int64),
+            new_block_ids=_ints("new_block_ids", flat, _I32, block_label),
+            append_rows=_ints("append_rows", [p[0] for p in pairs], _I32),
+            append_block_ids=_ints("append_block_ids", [p[1] for p in pairs], _I32),
         )
