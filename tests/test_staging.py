@@ -3,7 +3,6 @@ the numba builder read it only through the exported layout; the upload's stream.
 import numpy as np
 import pytest
 import torch
-from tracegen import TraceGen, expected
 
 from zos import (
     _C,
@@ -18,7 +17,7 @@ from zos import (
 )
 from zos.step import DecodeStep
 
-from conftest import DEVICE
+from helpers import DEVICE, TraceGen, expected
 
 # The layout of csrc/staging.h, word by word: every name zos._C.staging exports.
 LAYOUT = dict(HEADER_WORDS=8, ENTRY_WORDS=3, RECORD_WORDS=5, ROW_MAP_WORDS=2,
