@@ -1,7 +1,12 @@
-"""A paged Llama decoder in plain torch (RMSNorm, RoPE, GQA, SwiGLU), capturable in decode.
+"""A paged Llama decoder (RMSNorm, RoPE, GQA, SwiGLU), capturable in decode.
 
 Weights: ``qkv_proj`` is q, k, v stacked along the output dim; ``gate_up_proj`` is gate then up.
 The decode path (``is_prefill=False``) has static shapes and no host synchronisation.
+Matmuls are torch; the elementwise work is three fused Triton kernels (:mod:`.fused`, vLLM
+style): RMSNorm with the residual add fused in, RoPE + paged KV write, SiLU-and-mul. A layer
+launches 10 kernels in decode (norm, qkv, rope/KV, 2 attention, o_proj, add+norm, gate_up,
+silu_and_mul, down); the residual stream is carried from layer to layer as ``(hidden,
+residual)`` and added inside the next norm.
 """
 from __future__ import annotations
 
@@ -13,7 +18,8 @@ from torch import nn
 
 from zos.buffers import StepMetadata
 
-from .attention import decode_attention, prefill_attention, store_kv
+from .attention import decode_attention, prefill_attention
+from .fused import rms_norm, rope_and_store_kv, silu_and_mul
 
 
 @dataclass
@@ -66,29 +72,27 @@ class LlamaConfig:
 
 
 class RMSNorm(nn.Module):
-    """``weight * x / sqrt(mean(x^2) + eps)``, statistics in float32 (as transformers)."""
+    """``weight * x / sqrt(mean(x^2) + eps)``, statistics in float32 (as transformers).
+
+    One Triton launch (:func:`.fused.rms_norm`); the residual add can be fused in.
+    """
 
     def __init__(self, size: int, eps: float, dtype=None, device=None):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size, dtype=dtype, device=device))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x ``[T, size]`` -> ``[T, size]`` of x's dtype."""
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """x ``[T, size]`` -> ``[T, size]`` of x's dtype, equal to the torch formula
+        ``weight * (xf * rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)`` with
+        ``xf = x.float()``. With ``residual`` ``[T, size]``: returns ``(norm(s), s)`` for
+        ``s = x + residual`` (vLLM's ``fused_add_rms_norm``). Errors: see :func:`.fused.rms_norm`.
+        """
+        return rms_norm(x, self.weight, self.eps, residual)
 
 
 def _linear(n_out: int, n_in: int, dtype, device) -> nn.Parameter:
     return nn.Parameter(torch.empty(n_out, n_in, dtype=dtype, device=device))
-
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE: x ``[T, H, D]``, cos/sin ``[T, 1, D]``."""
-    half = x.shape[-1] // 2
-    rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rot * sin
 
 
 class LlamaLayer(nn.Module):
@@ -105,21 +109,35 @@ class LlamaLayer(nn.Module):
         self.gate_up_proj = _linear(2 * c.intermediate_size, c.hidden_size, dtype, device)
         self.down_proj = _linear(c.hidden_size, c.intermediate_size, dtype, device)
 
-    def forward(self, x, cos, sin, kv_cache, meta, is_prefill: bool):
-        """x ``[T, hidden]`` -> ``[T, hidden]``; writes this step's K/V into ``kv_cache``."""
+    def forward(self, x, residual, cos, sin, kv_cache, meta, is_prefill: bool):
+        """One layer on the residual stream ``x + residual`` (vLLM style).
+
+        Args:
+            x: ``[T, hidden]``, the previous layer's MLP output (the embeddings for layer 0).
+            residual: ``[T, hidden]`` residual stream before adding ``x``, or None for layer 0.
+            cos, sin: ``[T, head_dim]`` RoPE rows in the model dtype.
+            kv_cache, meta, is_prefill: as :meth:`LlamaForCausalLM.forward`; this step's K/V
+                are written into ``kv_cache`` at ``meta.slot_mapping``.
+
+        Returns:
+            ``(mlp_out, residual)``, both ``[T, hidden]``: this layer's output hidden state is
+            ``mlp_out + residual`` (the add is fused into the next norm).
+        """
         c = self.c
         t = x.shape[0]
         hq, hkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        qkv = F.linear(self.input_layernorm(x), self.qkv_proj)
-        q = _rope(qkv[:, :hq * hd].view(t, hq, hd), cos, sin)
-        k = _rope(qkv[:, hq * hd:(hq + hkv) * hd].view(t, hkv, hd), cos, sin)
-        v = qkv[:, (hq + hkv) * hd:].view(t, hkv, hd)
-        store_kv(k, v, kv_cache, meta.slot_mapping)
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        qkv = F.linear(h, self.qkv_proj)
+        q = rope_and_store_kv(qkv, cos, sin, kv_cache, meta.slot_mapping, hq, hkv, hd)
         attn = prefill_attention if is_prefill else decode_attention
         o = attn(q, kv_cache, meta, hd ** -0.5)
-        x = x + F.linear(o.reshape(t, hq * hd), self.o_proj)
-        gate, up = F.linear(self.post_attention_layernorm(x), self.gate_up_proj).chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, self.down_proj)
+        h, residual = self.post_attention_layernorm(F.linear(o.reshape(t, hq * hd), self.o_proj),
+                                                    residual)
+        gate_up = F.linear(h, self.gate_up_proj)
+        return F.linear(silu_and_mul(gate_up), self.down_proj), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -170,7 +188,7 @@ class LlamaForCausalLM(nn.Module):
 
         Raises:
             ValueError: wrong number of caches or mismatched row counts (plus the attention
-            launchers' errors).
+            and fused-kernel launchers' errors).
         """
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"forward: kv_caches has {len(kv_caches)} layers, model "
@@ -180,11 +198,14 @@ class LlamaForCausalLM(nn.Module):
                              f"{tuple(input_ids.shape)} and {tuple(positions.shape)}")
         x = F.embedding(input_ids, self.embed_tokens)
         dtype = x.dtype
-        cos = self.rope_cos.index_select(0, positions).to(dtype)[:, None, :]
-        sin = self.rope_sin.index_select(0, positions).to(dtype)[:, None, :]
+        cos = self.rope_cos.index_select(0, positions).to(dtype)
+        sin = self.rope_sin.index_select(0, positions).to(dtype)
+        residual = None
         for layer, cache in zip(self.layers, kv_caches):
-            x = layer(x, cos, sin, cache, meta, is_prefill)
-        return self.norm(x)
+            x, residual = layer(x, residual, cos, sin, cache, meta, is_prefill)
+        if residual is None:  # no layers
+            return self.norm(x)
+        return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden ``[T, hidden_size]`` (model dtype) -> float32 logits ``[T, vocab_size]``."""
