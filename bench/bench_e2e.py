@@ -14,8 +14,9 @@ exactly N rows, no arrivals, no finishes. Per combination, in one process on one
   back), and within it the metadata (``stage``) time the engine records;
 * profiled pass (``--profile-steps`` more steps under ``torch.profiler``): GPU busy time (the
   union of kernel, memcpy and memset intervals) over the span from the first to the last of
-  them; idle fraction = 1 - busy / span. The profiler adds host overhead, so idle is an upper
-  bound for both backends alike.
+  them; idle fraction = 1 - busy / span, and the part of it in gaps longer than 20 us (the
+  GPU waiting for the host, as opposed to the ~1 us gaps between the kernels of one graph
+  replay). The profiler adds host overhead, so idle is an upper bound for both backends alike.
 
 Not measured: prefill, arrivals and finishes (decode-only steady state), token correctness
 (tests/test_overlap.py and tests/test_engine.py check that), sampling beyond greedy argmax.
@@ -95,6 +96,7 @@ def run_combo(model, backend, overlap, n, ctx, args) -> dict:
                gpu_busy_us_per_step=act.busy_us / args.profile_steps,
                gpu_span_us=act.span_us, gpu_busy_us=act.busy_us,
                gpu_idle_fraction=1 - act.busy_us / act.span_us if act.span_us else None,
+               gpu_idle_long_gap_fraction=act.long_gap_us / act.span_us if act.span_us else None,
                h2d_bytes_per_step=act.h2d_bytes / args.profile_steps,
                h2d_copies_per_step=act.h2d_copies / args.profile_steps)
     return out
@@ -165,6 +167,7 @@ def main() -> int:
                 print(f"ctx {ctx:>5} N {n:>4} {backend:>4} {'overlap' if overlap else 'sync':>7}"
                       f"  TPOT {r['tpot_us']:8.1f} us  tok/s {r['tokens_per_s']:9.0f}"
                       f"  idle {100 * r['gpu_idle_fraction']:5.1f}%"
+                      f" ({100 * r['gpu_idle_long_gap_fraction']:4.1f}% in gaps > 20 us)"
                       f"  host CPU {r['host_cpu_us_median']:7.1f} us"
                       f"  graph steps {r['graph_steps']}"
                       f" (metadata {r['metadata_us_median']:6.1f})", flush=True)

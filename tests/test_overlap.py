@@ -58,3 +58,18 @@ def test_readback_ring_refuses_overrun():
         rb.push(sampled, ["d"])
     assert rb.pop() == (["a", "b"], [0, 1])
     assert rb.pop() == (["c"], [10])
+
+
+@pytest.mark.parametrize("spans, want", [
+    ([], (0.0, 0.0, 0.0)),
+    ([(5.0, 7.0)], (2.0, 2.0, 0.0)),
+    ([(0.0, 10.0), (2.0, 4.0), (11.0, 12.0)], (11.0, 12.0, 0.0)),  # nested, short gap
+    ([(100.0, 110.0), (0.0, 10.0), (50.0, 60.0)], (30.0, 110.0, 80.0)),  # unsorted, long gaps
+    ([(0.0, 5.0), (3.0, 9.0), (29.0, 30.0), (49.5, 50.0), (70.5, 71.0)],
+     (11.0, 71.0, 20.5)),  # a gap of exactly 20 is not long, 20.5 is
+])
+def test_profiler_timeline(spans, want):
+    """GPU busy time is the union of activity intervals; only gaps > 20 us count as long."""
+    from zos.serving.profiling import timeline
+
+    assert timeline(spans) == want

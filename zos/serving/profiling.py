@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+LONG_GAP_US = 20.0  # a gap between GPU activities longer than this is counted as host-caused
+
 
 @dataclass(frozen=True)
 class DeviceActivity:
@@ -22,6 +24,9 @@ class DeviceActivity:
         busy_us: microseconds during which at least one of them ran (their union: work
             that overlaps on several streams counts once).
         span_us: microseconds from the first one's start to the last one's end.
+        long_gap_us: the idle time inside the span made of gaps longer than
+            ``LONG_GAP_US`` (the GPU waiting for the host; the short gaps between the kernels
+            of one CUDA graph replay are left out).
     """
 
     h2d_bytes: int
@@ -30,6 +35,7 @@ class DeviceActivity:
     gpu_us: float
     busy_us: float = 0.0
     span_us: float = 0.0
+    long_gap_us: float = 0.0
 
 
 def profile_device(fn: Callable[[], None]) -> DeviceActivity:
@@ -71,11 +77,20 @@ def profile_device(fn: Callable[[], None]) -> DeviceActivity:
                 h2d, h2d_n = h2d + nbytes, h2d_n + 1
             elif "DtoH" in ev.get("name", ""):
                 d2h += nbytes
-    busy = end = 0.0
-    for a, b in sorted(spans):
-        if a > end:
+    return DeviceActivity(h2d, h2d_n, d2h, gpu_us, *timeline(spans))
+
+
+def timeline(spans: list[tuple[float, float]]) -> tuple[float, float, float]:
+    """``(busy, span, long_gap)`` of activity intervals ``(start, end)`` (any order, any unit):
+    the length of their union, first start to last end, and the gaps in between longer than
+    ``LONG_GAP_US``. All zero for no intervals."""
+    busy = end = long_gap = 0.0
+    for i, (a, b) in enumerate(sorted(spans)):
+        if i == 0 or a > end:
+            if i and a - end > LONG_GAP_US:
+                long_gap += a - end
             busy, end = busy + (b - a), b
         elif b > end:
             busy, end = busy + (b - end), b
     span = max(b for _, b in spans) - min(a for a, _ in spans) if spans else 0.0
-    return DeviceActivity(h2d, h2d_n, d2h, gpu_us, busy, span)
+    return busy, span, long_gap
