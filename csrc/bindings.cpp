@@ -197,39 +197,29 @@ Raises:
   auto staging = m.def_submodule("staging", R"doc(Layout of the staging record (csrc/staging.h).
 
 Word offsets and sizes in int32 words. A record is: a header of HEADER_WORDS
-words (NUM_REQS, NUM_TOKENS, PREV_REQS, NUM_RECORDS, NUM_BLOCK_IDS, Q and
-NUM_ENTRIES are the indices of its fields, the rest is reserved), K row entries of
-ENTRY_WORDS words (E_ROW, E_SRC and E_REC are the offsets of their fields: only
-rows that change are listed), M row records of RECORD_WORDS words (R_TOKEN,
-R_POS0, R_COL0, R_COUNT and R_BLK_OFF are the offsets of their fields) and L
-block ids. The staging buffer ends with ROW_MAP_WORDS words per row that the prep
-kernels use on the device (never uploaded). zos.staging re-exports these.)doc");
+words (NUM_REQS, NUM_TOKENS, PREV_REQS, NUM_RECORDS, NUM_BLOCK_IDS and Q are the
+indices of its fields, the rest is reserved), ROW_SRC [N], ROW_REC [N], M row
+records of RECORD_WORDS words (R_TOKEN, R_POS0, R_COL0, R_COUNT and R_BLK_OFF are
+the offsets of their fields) and L block ids. zos.staging re-exports these.)doc");
   staging.attr("HEADER_WORDS") = st::kHeaderWords;
-  staging.attr("ENTRY_WORDS") = st::kEntryWords;
   staging.attr("RECORD_WORDS") = st::kRecordWords;
-  staging.attr("ROW_MAP_WORDS") = st::kRowMapWords;
   staging.attr("NUM_REQS") = static_cast<int64_t>(st::kNumReqs);
   staging.attr("NUM_TOKENS") = static_cast<int64_t>(st::kNumTokens);
   staging.attr("PREV_REQS") = static_cast<int64_t>(st::kPrevReqs);
   staging.attr("NUM_RECORDS") = static_cast<int64_t>(st::kNumRecords);
   staging.attr("NUM_BLOCK_IDS") = static_cast<int64_t>(st::kNumBlockIds);
   staging.attr("Q") = static_cast<int64_t>(st::kQ);
-  staging.attr("NUM_ENTRIES") = static_cast<int64_t>(st::kNumEntries);
-  staging.attr("E_ROW") = static_cast<int64_t>(st::kRow);
-  staging.attr("E_SRC") = static_cast<int64_t>(st::kSrc);
-  staging.attr("E_REC") = static_cast<int64_t>(st::kRec);
   staging.attr("R_TOKEN") = static_cast<int64_t>(st::kToken);
   staging.attr("R_POS0") = static_cast<int64_t>(st::kPos0);
   staging.attr("R_COL0") = static_cast<int64_t>(st::kCol0);
   staging.attr("R_COUNT") = static_cast<int64_t>(st::kCount);
   staging.attr("R_BLK_OFF") = static_cast<int64_t>(st::kBlkOff);
-  staging.def("total_words", &st::total_words, py::arg("k"), py::arg("m"), py::arg("l"),
-              "Words of a record with k row entries, m row records and l block ids: "
-              "HEADER_WORDS + ENTRY_WORDS * k + RECORD_WORDS * m + l.");
+  staging.def("total_words", &st::total_words, py::arg("n"), py::arg("m"), py::arg("l"),
+              "Words of a record with n rows, m row records and l block ids: "
+              "HEADER_WORDS + 2n + RECORD_WORDS * m + l.");
   staging.def("capacity_words", &st::capacity_words, py::arg("max_num_reqs"),
               py::arg("max_num_blocks_per_req"),
-              "Words of the staging buffer for max_num_reqs rows of at most "
-              "max_num_blocks_per_req blocks: the largest record (every row listed and new, "
-              "each with a full block-table row), total_words(R, R, R * W), then the row map, "
-              "ROW_MAP_WORDS * R.");
+              "Largest record for max_num_reqs rows of at most max_num_blocks_per_req blocks "
+              "(every row new, each with a full block-table row): "
+              "total_words(R, R, R * W).");
 }

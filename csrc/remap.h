@@ -38,12 +38,9 @@ class RequestIndex {
   void clear();
 
  private:
-  struct Slot {
-    int64_t key;
-    int64_t row;  // -1: empty slot (int64: a slot is one aligned 16-byte pair)
-  };
   uint64_t home(int64_t key) const;
-  std::vector<Slot> slots_;  // at most a quarter full: short probe runs
+  std::vector<int64_t> keys_;
+  std::vector<int32_t> rows_;  // -1: empty slot
   uint64_t mask_;
 };
 

@@ -19,15 +19,13 @@ class DeviceMetadataBackend(MetadataBackend):
     Per step, on the host: ``StepPacker.pack`` (C++, no GIL) writes the staging
     record into one of two pinned buffers, and one H2D copy of that record is
     enqueued natively (``PinnedUpload``: CUDA driver API, no torch dispatch);
-    its size is 8 + 3K + 5M + L int32 words (K row entries: only rows that are
-    new, moved or get blocks are listed, a row that keeps its place costs
-    nothing; M records: new rows and rows with appended blocks; L block ids:
-    new rows' whole rows and appended blocks), independent of N, context length
-    and block-table width for carried rows. On the device: ``launch_prep`` (two
-    kernels) rebuilds every field in place. The two pinned buffers alternate,
-    each fenced by an event recorded after its copy, so the host never
-    overwrites a record that an enqueued copy has not read yet (docs/ZOS.md,
-    "Kernels inside the graph").
+    its size is 8 + 2N + 5M + L int32 words (N rows; M records: new rows and
+    rows with appended blocks; L block ids: new rows' whole rows and appended
+    blocks), independent of context length and block-table width for carried
+    rows. On the device: ``launch_prep`` (two kernels) rebuilds every
+    field in place. The two pinned buffers alternate, each fenced by an event
+    recorded after its copy, so the host never overwrites a record that an
+    enqueued copy has not read yet (docs/ZOS.md, "Kernels inside the graph").
 
     Streams: the upload is enqueued on one stream fixed here (``stream``; by default
     the current stream of the buffers' device when the backend is built), whose raw

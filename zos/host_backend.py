@@ -21,9 +21,8 @@ from zos.buffers import PAD_SLOT_ID, DecodeBuffers
 from zos.step import DecodeStep
 
 
-def _make_build_rows(HEADER_WORDS, ENTRY_WORDS, RECORD_WORDS, NUM_REQS, NUM_RECORDS,
-                     NUM_ENTRIES, E_ROW, E_SRC, E_REC, R_TOKEN, R_POS0, R_COL0, R_COUNT,
-                     R_BLK_OFF):
+def _make_build_rows(HEADER_WORDS, RECORD_WORDS, NUM_REQS, NUM_RECORDS,
+                     R_TOKEN, R_POS0, R_COL0, R_COUNT, R_BLK_OFF):
     """The numba row builder for one staging layout (word offsets, from zos.staging).
 
     The layout is bound as closure variables, not read from module globals: numba freezes
@@ -35,28 +34,16 @@ def _make_build_rows(HEADER_WORDS, ENTRY_WORDS, RECORD_WORDS, NUM_REQS, NUM_RECO
     def _build_rows(rec, sampled, accepted, q, block_size, pad_token_id, seq_len_fill,
                     padded_reqs, input_ids, positions, slot_mapping, seq_lens, qsl, block_table,
                     num_blocks_per_row, scratch_pos, scratch_nb, scratch_bt,
-                    bt_compact, row_src):  # pragma: no cover - numba
+                    bt_compact):  # pragma: no cover - numba
         """Apply one staging record (csrc/staging.h) to the host rows; returns C, the
         block-table columns to upload, and writes rows [0, padded_reqs) x [0, C) of
-        the block table into ``bt_compact`` (row-major, stride C), and each real row's
-        previous row (-1: new) into ``row_src`` [0, N)."""
+        the block table into ``bt_compact`` (row-major, stride C)."""
         n = rec[NUM_REQS]
         m = rec[NUM_RECORDS]
-        k_entries = rec[NUM_ENTRIES]
-        rec0 = HEADER_WORDS + ENTRY_WORDS * k_entries
+        rec0 = HEADER_WORDS + 2 * n
         blk0 = rec0 + RECORD_WORDS * m
-        # Rows not listed keep their place with nothing to apply.
-        row_rec = np.full(n, -1, np.int32)
-        for r in range(n):
-            row_src[r] = r
-        for e in range(k_entries):
-            at = HEADER_WORDS + ENTRY_WORDS * e
-            row = rec[at + E_ROW]
-            row_src[row] = rec[at + E_SRC]
-            row_rec[row] = rec[at + E_REC]
-        for e in range(k_entries):  # gather rows that move, before any row is overwritten
-            r = rec[HEADER_WORDS + ENTRY_WORDS * e + E_ROW]
-            j = row_src[r]
+        for r in range(n):  # gather rows that move, before any row is overwritten
+            j = rec[HEADER_WORDS + r]
             if j >= 0 and j != r:
                 scratch_pos[r] = positions[j * q]
                 nb = num_blocks_per_row[j]
@@ -66,8 +53,8 @@ def _make_build_rows(HEADER_WORDS, ENTRY_WORDS, RECORD_WORDS, NUM_REQS, NUM_RECO
         for r in range(padded_reqs):
             old_nb = num_blocks_per_row[r]
             if r < n:
-                src = row_src[r]
-                k = row_rec[r]
+                src = rec[HEADER_WORDS + r]
+                k = rec[HEADER_WORDS + n + r]
                 at = rec0 + RECORD_WORDS * k  # row r's record (k >= 0 for every new row)
                 if src >= 0:
                     token = sampled[src]
@@ -117,10 +104,9 @@ def _make_build_rows(HEADER_WORDS, ENTRY_WORDS, RECORD_WORDS, NUM_REQS, NUM_RECO
     return _build_rows
 
 
-_LAYOUT_NAMES = ("HEADER_WORDS", "ENTRY_WORDS", "RECORD_WORDS", "NUM_REQS", "NUM_RECORDS",
-                 "NUM_ENTRIES", "E_ROW", "E_SRC", "E_REC", "R_TOKEN", "R_POS0", "R_COL0",
-                 "R_COUNT", "R_BLK_OFF")
-_build_rows = _make_build_rows(**{k: getattr(staging, k) for k in _LAYOUT_NAMES})
+_build_rows = _make_build_rows(staging.HEADER_WORDS, staging.RECORD_WORDS, staging.NUM_REQS,
+                               staging.NUM_RECORDS, staging.R_TOKEN, staging.R_POS0,
+                               staging.R_COL0, staging.R_COUNT, staging.R_BLK_OFF)
 
 
 class HostMetadataBackend(MetadataBackend):
@@ -198,8 +184,7 @@ class HostMetadataBackend(MetadataBackend):
                            b.pad_token_id, b.seq_len_fill, r, a["input_ids"], a["positions"],
                            a["slot_mapping"], a["seq_lens"], a["query_start_loc"],
                            self._block_table, self._num_blocks_per_row, self._scratch_pos,
-                           self._scratch_nb, self._scratch_bt, a["bt_compact"],
-                           self._row_src.numpy())
+                           self._scratch_nb, self._scratch_bt, a["bt_compact"])
         h["counts"][0], h["counts"][1] = plan.num_reqs, plan.num_tokens
         sizes = dict(input_ids=t, positions=t, slot_mapping=t, seq_lens=r,
                      query_start_loc=r + 1, counts=2)
@@ -212,7 +197,9 @@ class HostMetadataBackend(MetadataBackend):
             b.block_table[:r, :cols].copy_(self._bt_device[: r * cols].view(r, cols))
             nbytes += 4 * r * cols
         n = plan.num_reqs
-        if self.input_ids_from_device and prev and n:  # _build_rows wrote _row_src[:n]
+        if self.input_ids_from_device and prev and n:
+            self._row_src.numpy()[:n] = self._record[staging.HEADER_WORDS:
+                                                     staging.HEADER_WORDS + n]
             src = self._row_src_dev[:n]
             src.copy_(self._row_src[:n], non_blocking=True)
             nbytes += 4 * n

@@ -7,46 +7,28 @@ import triton
 
 from zos import staging
 from zos.buffers import DecodeBuffers
-from zos.triton_kernels.prep import rebuild_rows, scatter_entries
+from zos.triton_kernels.prep import rebuild_rows, snapshot_moved_rows
 
 # Every staging offset the kernels read, as constexprs (csrc/staging.h through zos.staging).
-_SCATTER_LAYOUT = dict(
-    NUM_ENTRIES_WORD=staging.NUM_ENTRIES, HEADER_WORDS=staging.HEADER_WORDS,
-    ENTRY_WORDS=staging.ENTRY_WORDS, E_ROW=staging.E_ROW, E_SRC=staging.E_SRC,
-    E_REC=staging.E_REC)
+_SNAPSHOT_LAYOUT = dict(NUM_REQS_WORD=staging.NUM_REQS, HEADER_WORDS=staging.HEADER_WORDS)
 _REBUILD_LAYOUT = dict(
-    NUM_REQS_WORD=staging.NUM_REQS, NUM_RECORDS_WORD=staging.NUM_RECORDS,
-    NUM_ENTRIES_WORD=staging.NUM_ENTRIES, HEADER_WORDS=staging.HEADER_WORDS,
-    ENTRY_WORDS=staging.ENTRY_WORDS, RECORD_WORDS=staging.RECORD_WORDS,
+    _SNAPSHOT_LAYOUT, NUM_RECORDS_WORD=staging.NUM_RECORDS, RECORD_WORDS=staging.RECORD_WORDS,
     R_TOKEN=staging.R_TOKEN, R_POS0=staging.R_POS0, R_COL0=staging.R_COL0,
     R_COUNT=staging.R_COUNT, R_BLK_OFF=staging.R_BLK_OFF)
-
-
-def row_map_offset(buffers: DecodeBuffers) -> int:
-    """Word offset in ``buffers.staging`` of the row map: its last ``ROW_MAP_WORDS *
-    max_num_reqs`` words, map_src int32 [R] then map_rec int32 [R] (never uploaded; all zero
-    between steps, see csrc/staging.h)."""
-    return buffers.staging.numel() - staging.ROW_MAP_WORDS * buffers.max_num_reqs
-
-
-def row_map(buffers: DecodeBuffers):
-    """The row map of ``buffers`` as two int32 [max_num_reqs] views (map_src, map_rec)."""
-    off, r = row_map_offset(buffers), buffers.max_num_reqs
-    return buffers.staging[off:off + r], buffers.staging[off + r:off + 2 * r]
 
 
 def launch_prep(buffers: DecodeBuffers, padded_size: int) -> None:
     """Rebuild the metadata of a step padded to ``padded_size`` token rows, in place.
 
     Reads the staged record in ``buffers.staging`` (real row count N at word
-    ``zos.staging.NUM_REQS``, the K entries of the rows that change; the kernels get every
-    offset of the layout as a constexpr), ``buffers.sampled`` and ``buffers.accepted`` (int32
-    [max_num_reqs], written by the previous step's sampler), and the previous step's rows.
-    Writes, in place, ``input_ids``, ``positions``, ``slot_mapping`` (token rows
-    [0, padded_size)), ``seq_lens``, ``query_start_loc``, ``block_table``,
-    ``num_blocks_per_row`` (request rows [0, padded_size // q)) and ``counts``; rows past
-    the real N get dummy values. Two launches, grid (padded_size // q,) (K <= N rows), no
-    host synchronisation and no host value of N or K: capturable once per bucket.
+    ``zos.staging.NUM_REQS``; the kernels get every offset of the layout as a constexpr),
+    ``buffers.sampled`` and ``buffers.accepted`` (int32 [max_num_reqs], written by the
+    previous step's sampler), and the previous step's rows. Writes, in place,
+    ``input_ids``, ``positions``, ``slot_mapping`` (token rows [0, padded_size)),
+    ``seq_lens``, ``query_start_loc``, ``block_table``, ``num_blocks_per_row`` (request
+    rows [0, padded_size // q)) and ``counts``; rows past the real N get dummy values.
+    Two launches, grid (padded_size // q,), no host synchronisation and no host value of
+    N: capturable once per bucket.
 
     Raises:
         ValueError: padded_size not a multiple of q in [1, max_num_reqs * q].
@@ -60,14 +42,12 @@ def launch_prep(buffers: DecodeBuffers, padded_size: int) -> None:
     w = b.max_num_blocks_per_req
     block_w = min(256, triton.next_power_of_2(w))
     grid = (padded_reqs,)
-    map_src = row_map_offset(b)  # map_rec follows at map_src + max_num_reqs
-    map_rec = map_src + b.max_num_reqs
-    scatter_entries[grid](
-        b.staging, map_src, map_rec, b.positions, b.num_blocks_per_row, b.block_table,
+    snapshot_moved_rows[grid](
+        b.staging, b.positions, b.num_blocks_per_row, b.block_table,
         b.scratch_pos, b.scratch_num_blocks_per_row, b.scratch_block_table, w,
-        Q=q, BLOCK_W=block_w, **_SCATTER_LAYOUT)
+        Q=q, BLOCK_W=block_w, **_SNAPSHOT_LAYOUT)
     rebuild_rows[grid](
-        b.staging, map_src, map_rec, b.sampled, b.accepted,
+        b.staging, b.sampled, b.accepted,
         b.input_ids, b.positions, b.slot_mapping, b.seq_lens, b.query_start_loc,
         b.block_table, b.num_blocks_per_row, b.counts,
         b.scratch_pos, b.scratch_num_blocks_per_row, b.scratch_block_table,
