@@ -73,7 +73,7 @@ def main():
             t_pack.append(time.perf_counter_ns() - t0)
         torch.cuda.synchronize()
         dev = bufs.device.index or 0
-        # A record of n listed (moved) rows, 8 + 3n words, on the backend's stream (its
+        # A record of n carried rows, 8 + 2n words, on the backend's stream (its
         # handle as stage passes it).
         upload_alone = functools.partial(upload_once, be._upload, 4 * staging.total_words(n, 0, 0),
                                          be.stream.cuda_stream)
