@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from zos import buckets as B
-from zos.cli import MAX_PRINTED_SIZES, MAX_SIZE_LIMIT, main
+from zos.serving.cli import MAX_PRINTED_SIZES, MAX_SIZE_LIMIT, main
 
 VLLM_512 = [1, 2, 4] + list(range(8, 256, 8)) + list(range(256, 513, 16))
 
@@ -204,7 +204,7 @@ def test_cli_no_command(capsys):
                                   ["buckets", "--help"]])
 def test_cli_does_not_import_torch(argv):
     code = "\n".join([
-        "import sys", "from zos.cli import main", "try:", f"    rc = main({argv!r})",
+        "import sys", "from zos.serving.cli import main", "try:", f"    rc = main({argv!r})",
         "except SystemExit as e:", "    rc = e.code",
         "assert rc == 0, rc", "assert 'torch' not in sys.modules, 'torch imported'"])
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

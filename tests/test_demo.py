@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-from zos.cli import main
 from zos.serving import demo
 from zos.serving import trace as ztrace
+from zos.serving.cli import main
 from zos.serving.demo import auto_num_blocks
 from zos.serving.report import first_mismatch, format_samples, sample_texts, write_report
 

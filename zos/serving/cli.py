@@ -309,7 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point (``zos = "zos.cli:main"``): parse ``argv`` and run the subcommand.
+    """Entry point (``zos = "zos.serving.cli:main"``): parse ``argv`` and run the subcommand.
     Returns the exit status; a ValueError/TypeError from the library is reported as exit 2."""
     args = build_parser().parse_args(argv)
     try:
