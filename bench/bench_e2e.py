@@ -21,7 +21,7 @@ exactly N rows, no arrivals, no finishes. Per combination, in one process on one
 Not measured: prefill, arrivals and finishes (decode-only steady state), token correctness
 (tests/test_overlap.py and tests/test_engine.py check that), sampling beyond greedy argmax.
 
-Usage: python bench/bench_e2e.py [--sizes 1,8,64,256,512] [--contexts 1024,7680]
+Usage: python bench/bench_e2e.py [--sizes 1,8,64,256,512] [--contexts 1024,7168]
        [--out bench/results]   (writes e2e_<gpu>_<date>.json and .png)
 CUDA required.
 """

@@ -23,7 +23,7 @@ StepPacker::StepPacker(const PackerConfig& cfg) : cfg_(cfg), index_(cfg.max_num_
     if (v <= 0) fail(std::string(name) + " must be positive, got " + std::to_string(v));
   };
   positive(cfg.max_num_reqs, "max_num_reqs");
-  positive(cfg.q, "q");
+  positive(cfg.q, "uniform_decode_query_len");
   positive(cfg.block_size, "block_size");
   positive(cfg.max_num_blocks_per_req, "max_num_blocks_per_req");
   positive(cfg.vocab_size, "vocab_size");

@@ -342,3 +342,27 @@ def test_backend_built_over_used_buffers_starts_clean(first, second):
     assert unchanged(bufs, before) and bufs.owner is b
     md = b.prepare(DecodeStep.build([3]))  # the fresh backend goes on: position 6, block 12
     assert md.positions.tolist() == [6, 0, 0, 0] and md.slot_mapping[0] == 12 * bs + 2
+
+
+@pytest.mark.parametrize("first", ["host", "device"])
+def test_failed_takeover_leaves_the_owner(first, monkeypatch):
+    """A backend whose constructor fails (here: the host backend's host arrays) has not reset
+    or taken the buffers: the earlier backend keeps them and goes on."""
+    import zos.host_backend as hb
+
+    a = make(first)
+    a.prepare(DecodeStep.build([1], {0: (5, 0, [7])}))
+    before = {f: getattr(a.buffers, f).clone() for f in ("block_table", "seq_lens", "input_ids")}
+
+    def no_memory(*args, **kwargs):
+        raise MemoryError("no host memory")
+
+    monkeypatch.setattr(hb.np, "zeros", no_memory)
+    with pytest.raises(MemoryError):
+        HostMetadataBackend(a.buffers, num_kv_blocks=NUM_BLOCKS, vocab_size=VOCAB)
+    monkeypatch.undo()
+    assert a.buffers.owner is a
+    for f, t in before.items():
+        assert torch.equal(getattr(a.buffers, f), t), f
+    md = a.prepare(DecodeStep.build([1]))
+    assert md.positions[:1].tolist() == [1] and md.block_table[0, :2].tolist() == [7, 0]

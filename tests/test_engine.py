@@ -129,6 +129,34 @@ def test_request_validation(llama):
             engine.add_request(bad)
     with pytest.raises(ValueError, match="num_kv_blocks"):
         Engine(llama, EngineConfig(block_size=BS, num_kv_blocks=4, max_model_len=16), DEVICE)
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        Engine(llama, EngineConfig(block_size=BS, num_kv_blocks=10**4,
+                                   max_model_len=llama.config.max_position_embeddings + 1), DEVICE)
+
+
+def test_request_ids_unique_and_queueing_all_or_none(llama):
+    """A req_id waiting or running is refused before anything is queued or placed (the packer
+    keys rows by request id); a batch with one bad request queues none of them; an id can be
+    reused once its request finished."""
+    cfg = EngineConfig(block_size=BS, num_kv_blocks=20, max_num_seqs=2, max_model_len=16,
+                       bucket_policy=None)
+    engine = Engine(llama, cfg, DEVICE)
+    engine.add_request(Request(1, [3, 4], 5))
+    with pytest.raises(ValueError, match="request 1: req_id is already waiting or running"):
+        engine.add_request(Request(1, [5], 2))
+    with pytest.raises(ValueError, match="request 2: prompt"):
+        engine.run([Request(3, [1], 2), Request(2, [], 2)])
+    with pytest.raises(ValueError, match="request 4: req_id given twice"):
+        engine.add_requests([Request(4, [1], 2), Request(4, [2], 2)])
+    assert [r.req_id for r in engine.waiting] == [1]
+    engine.step()  # request 1 is running now
+    with pytest.raises(ValueError, match="request 1: req_id is already"):
+        engine.run([Request(1, [5], 2)])
+    assert [r.req_id for r in engine.waiting] == [] and engine.rows[0].req_id == 1
+    while engine.has_unfinished():
+        engine.step()
+    res = engine.run([Request(1, [3, 4], 2)])  # finished: its id may be used again
+    assert res.outputs[1] == greedy_reference(llama, [3, 4], 2)
 
 
 def test_place_fills_holes_then_condenses():

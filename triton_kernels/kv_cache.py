@@ -1,5 +1,5 @@
 """Paged KV-cache write kernel (pure ``@triton.jit``; the launcher is
-:func:`zos.models.attention.store_kv`, which checks shapes, dtypes and devices).
+:func:`zos.serving.models.attention.store_kv`, which checks shapes, dtypes and devices).
 
 Layout read/written here, all strides in elements:
 

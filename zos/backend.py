@@ -78,9 +78,14 @@ class MetadataBackend:
         self.packer = StepPacker(buffers.max_num_reqs, buffers.uniform_decode_query_len,
                                  buffers.block_size, buffers.max_num_blocks_per_req,
                                  num_kv_blocks, vocab_size)
-        self.buffers = buffers
-        buffers.reset()
-        buffers.owner = self
+        self.buffers = buffers  # taken over by _take_over(), once nothing else can fail
+
+    def _take_over(self) -> None:
+        """Reset the buffers and become their owner: the last thing a subclass's constructor
+        does before it first writes them, so a constructor that fails leaves the previous
+        owner's buffers as they were."""
+        self.buffers.reset()
+        self.buffers.owner = self
 
     def plan(self, num_reqs: int) -> StepPlan:
         """Bucket choice for ``num_reqs`` request rows (docs/ZOS.md: rounding is monotone).

@@ -83,6 +83,7 @@ class DeviceMetadataBackend(MetadataBackend):
                 self._upload = PinnedUpload(buffers.staging.data_ptr(), self._pinned[0].data_ptr(),
                                             self._pinned[1].data_ptr(), 4 * words)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._take_over()
         if capture_prep and cuda and buckets is not None:
             self._capture(buckets)
         if cuda:  # the first upload lands after the reset (and capture) enqueued above

@@ -164,6 +164,7 @@ class HostMetadataBackend(MetadataBackend):
         self._fence = torch.cuda.Event() if cuda else None
         self._np = {k: v.numpy() for k, v in self._h.items()}
         self._np.update(sampled=self._sampled.numpy(), bt_compact=self._bt_compact.numpy())
+        self._take_over()
 
     def _stage(self, step: DecodeStep) -> StepPlan:
         """Pack, rebuild on the host and enqueue the copies of rows [0, bucket)."""

@@ -256,7 +256,7 @@ DEMO_FLAGS = (
 
 
 def _cmd_demo(args) -> int:
-    """``zos demo``: see ``zos.demo``. Exit 1 if the backends' tokens differ."""
+    """``zos demo``: see ``zos.serving.demo``. Exit 1 if the backends' tokens differ."""
     from zos.serving.demo import run_demo
 
     report = run_demo(args)

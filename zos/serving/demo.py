@@ -128,7 +128,7 @@ def load_model(s: dict, device: torch.device) -> tuple:
 
 def build_prompts(lengths: list[int], tokenizer, vocab: int, seed: int) -> tuple[list, str]:
     """Prompts of ``lengths`` and a label of their source: windows of the tokenized corpus
-    (``zos.trace``) with a tokenizer, else seeded random ids."""
+    (``zos.serving.trace``) with a tokenizer, else seeded random ids."""
     if tokenizer is not None:
         ids = [t for t in ztrace.corpus_ids(tokenizer) if t < vocab]
         return (ztrace.synthesize_prompts(lengths, ids, seed),
@@ -158,7 +158,7 @@ def _bar(total: int, desc: str, quiet: bool):
 def run_backend(model, s, backend, device, prompts, slice_, quiet, profile_every=0):
     """Run the slice through a fresh Engine of ``backend``, with a progress bar of generated
     tokens updated per engine step. With ``profile_every`` > 0 (CUDA), every k-th decode step
-    runs under ``zos.profiling.profile_device``. Returns ``(RunResult, samples)``, a sample
+    runs under ``zos.serving.profiling.profile_device``. Returns ``(RunResult, samples)``, a sample
     being ``{"step", "h2d_bytes", "h2d_copies", "counted_bytes"}``."""
     engine = Engine(model, engine_config(s, backend), device, overlap=s["overlap"])
     samples = []

@@ -1,8 +1,10 @@
 """A small continuous-batching engine: eager packed prefill, decode through GraphRunner.
 
 It stands in for "an existing decode runner": the metadata backend ("zos" or "host") is the
-only thing that differs between two runs with the same config. Scheduling is synchronous and
-deterministic (arrival times only order the queue), so both backends see the same steps.
+only thing that differs between two runs with the same config. Scheduling is deterministic
+(arrival times only order the queue), so both backends see the same steps; with
+``overlap=True`` the host stages step t+1 while the GPU runs step t (decode only: a step that
+admits requests runs their prefill eagerly and waits for it).
 """
 from __future__ import annotations
 
@@ -54,13 +56,13 @@ class Engine:
                              f"max_position_embeddings {c.max_position_embeddings}")
         if cfg.backend not in ("zos", "host"):
             raise ValueError(f"backend: expected 'zos' or 'host', got {cfg.backend!r}")
+        buckets = make_buckets(cfg)  # before any allocation: it refuses unknown policies
         self.kv_caches = allocate_kv_cache(c.num_hidden_layers, cfg.num_kv_blocks, bs,
                                            c.num_key_value_heads, c.head_dim,
                                            model.embed_tokens.dtype, self.device)
         self.buffers = DecodeBuffers(cfg.max_num_seqs, width, bs, device=self.device,
                                      pad_token_id=0, seq_len_fill=1)
-        kw = dict(num_kv_blocks=cfg.num_kv_blocks, vocab_size=c.vocab_size,
-                  buckets=make_buckets(cfg))
+        kw = dict(num_kv_blocks=cfg.num_kv_blocks, vocab_size=c.vocab_size, buckets=buckets)
         # Under overlap the host-built baseline gathers input ids on the device (vLLM V1's
         # async scheduling) instead of reading the last tokens back, which would wait.
         self.backend = (DeviceMetadataBackend(self.buffers, capture_prep=False, **kw)
@@ -77,17 +79,38 @@ class Engine:
         self.overlap = overlap
         self.readback = SampledReadback(cfg.max_num_seqs, self.device)
         self._prefilled: list[Request] = []  # admitted with their KV in place: next decode
+        self._live: set[int] = set()  # req_ids waiting or running (not finished)
 
     def add_request(self, req: Request) -> None:
-        """Queue ``req`` (behind earlier ones). ValueError: empty prompt, token outside the
-        vocabulary, max_new_tokens < 1, or prompt + max_new_tokens > max_model_len."""
+        """Queue ``req`` (behind earlier ones); see :meth:`add_requests`."""
+        self.add_requests([req])
+
+    def add_requests(self, reqs: Iterable[Request]) -> None:
+        """Queue ``reqs`` in order, all or none: every request is checked before any is queued.
+
+        Raises:
+            ValueError: an empty prompt, a token outside the vocabulary, max_new_tokens < 1,
+                prompt + max_new_tokens > max_model_len, or a req_id that is already waiting or
+                running (or twice in ``reqs``): the packer keys rows by request id.
+        """
+        reqs, ids = list(reqs), set()
+        for req in reqs:
+            self._check(req)
+            if req.req_id in ids:
+                raise ValueError(f"request {req.req_id}: req_id given twice")
+            ids.add(req.req_id)
+        self.waiting.extend(reqs)
+        self._live |= ids
+
+    def _check(self, req: Request) -> None:
         cfg, vocab = self.config, self.model.config.vocab_size
         if not req.prompt or any(not 0 <= t < vocab for t in req.prompt):
             raise ValueError(f"request {req.req_id}: prompt must be non-empty ids in [0, {vocab})")
         if req.max_new_tokens < 1 or len(req.prompt) + req.max_new_tokens > cfg.max_model_len:
             raise ValueError(f"request {req.req_id}: need max_new_tokens >= 1 and prompt + "
                              f"max_new_tokens <= max_model_len {cfg.max_model_len}")
-        self.waiting.append(req)
+        if req.req_id in self._live:
+            raise ValueError(f"request {req.req_id}: req_id is already waiting or running")
 
     def admit_prefilled(self, req: Request, first_token: int) -> None:
         """Admit ``req`` as if its prompt had been prefilled elsewhere (a disaggregated prefill,
@@ -99,8 +122,7 @@ class Engine:
             ValueError: the request is invalid (see :meth:`add_request`), the token is outside
                 the vocabulary, no row is free, or too few blocks are free.
         """
-        self.add_request(req)
-        self.waiting.pop()
+        self._check(req)
         running = sum(r is not None for r in self.rows) + len(self._prefilled)
         if running >= self.config.max_num_seqs:
             raise ValueError(f"request {req.req_id}: no free row (max_num_seqs "
@@ -113,6 +135,7 @@ class Engine:
             raise ValueError(f"request {req.req_id}: not enough free KV blocks")
         req.blocks, req.num_computed = blocks, len(req.prompt)
         req.admit_seq, self._admitted = self._admitted, self._admitted + 1
+        self._live.add(req.req_id)
         self._append(req, first_token)
         if req.finish_reason is None:
             self._prefilled.append(req)
@@ -153,8 +176,7 @@ class Engine:
         preemptions, capture_s, metadata_us (sum over decode steps), upload_bytes (decode).
         """
         reqs = sorted(requests, key=lambda r: r.arrival)
-        for r in reqs:
-            self.add_request(r)
+        self.add_requests(reqs)
         first, pre0, t0 = len(self.records), self.num_preemptions, time.perf_counter()
         while self.has_unfinished():
             self.step(progress)
@@ -211,6 +233,7 @@ class Engine:
             req.finish_reason = "eos" if token == self.config.eos_token_id else "length"
             self.allocator.free(req.blocks)
             req.blocks = []
+            self._live.discard(req.req_id)
         return req.finish_reason is not None
 
     def _preempt(self, req: Request) -> None:

@@ -37,7 +37,8 @@ class SampledReadback:
     Args:
         max_num_reqs: rows per copy at most.
         device: where ``sampled`` lives; pinned memory and events only on CUDA.
-        depth: copies that may be pending at once (>= 2: one in flight while one is read).
+        depth: copies that may be pending at once (>= 1; the engine needs 2 under overlap:
+            one in flight while one is read).
 
     Raises:
         ValueError: depth < 1, or ``push`` with more pending copies than ``depth``.

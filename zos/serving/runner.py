@@ -47,7 +47,7 @@ class GraphRunner:
     """Runs decode steps of ``model`` on ``backend``'s static buffers, through CUDA graphs.
 
     Args:
-        model: a ``zos.models.LlamaForCausalLM`` (``forward(input_ids, positions, kv_caches,
+        model: a ``zos.serving.models.LlamaForCausalLM`` (``forward(input_ids, positions, kv_caches,
             meta, is_prefill)`` and ``compute_logits``).
         kv_caches: the model's paged KV caches, one per layer.
         backend: the metadata backend; owns ``buffers`` (DecodeBuffers) and ``buckets``

@@ -1,7 +1,8 @@
 """Fused Llama-layer elementwise ops in Triton: RMSNorm (with the residual add fused), RoPE with
 the paged KV write, SiLU-and-mul. Kernels in ``triton_kernels/fused.py``.
 
-They replace ~33 tiny torch kernels per decoder layer with 3 launches (vLLM's
+They replace ~27 tiny torch kernels per decoder layer with 4 launches (two norms, RoPE + KV
+write, SiLU-and-mul; a layer launches 10 kernels in all with its GEMMs and attention; vLLM's
 ``fused_add_rms_norm``, ``rotary_embedding`` + ``reshape_and_cache`` and ``silu_and_mul`` are
 the models) and give the same results as the plain torch formulas they replace (each op rounded
 to the model dtype where torch rounds it). Every launcher checks shapes, dtypes and devices on

@@ -144,7 +144,7 @@ class LlamaForCausalLM(nn.Module):
     """Paged Llama causal LM.
 
     Parameters are allocated uninitialised (fill them with ``load_state_dict`` or
-    :func:`zos.models.weights.random_llama`). Buffers ``rope_cos`` / ``rope_sin`` float32
+    :func:`zos.serving.models.weights.random_llama`). Buffers ``rope_cos`` / ``rope_sin`` float32
     ``[max_position_embeddings, head_dim]`` are precomputed at init.
     """
 
