@@ -9,9 +9,10 @@ admits requests runs their prefill eagerly and waits for it).
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import defaultdict, deque
 from collections.abc import Callable, Iterable
 
+import numpy as np
 import torch
 
 from zos.buffers import DecodeBuffers
@@ -80,6 +81,16 @@ class Engine:
         self.readback = SampledReadback(cfg.max_num_seqs, self.device)
         self._prefilled: list[Request] = []  # admitted with their KV in place: next decode
         self._live: set[int] = set()  # req_ids waiting or running (not finished)
+        # Per-row state kept incrementally, so that a step with no change costs little Python
+        # per row (see _decode): the row of each running request, its req_id in an int64
+        # cache, wake-ups by launch number (decode steps launched so far), the requests the
+        # next _retire removes, and per pending readback the requests whose token it drops.
+        self._row_of: dict[Request, int] = {}
+        self._ids = np.zeros(cfg.max_num_seqs, np.int64)
+        self._launches = 0
+        self._wake: defaultdict[int, list[Request]] = defaultdict(list)
+        self._ending: set[Request] = set()
+        self._pending: deque[tuple[set[Request], list[int]]] = deque()  # = readback.pending
 
     def add_request(self, req: Request) -> None:
         """Queue ``req`` (behind earlier ones); see :meth:`add_requests`."""
@@ -123,8 +134,7 @@ class Engine:
                 the vocabulary, no row is free, or too few blocks are free.
         """
         self._check(req)
-        running = sum(r is not None for r in self.rows) + len(self._prefilled)
-        if running >= self.config.max_num_seqs:
+        if len(self._row_of) + len(self._prefilled) >= self.config.max_num_seqs:
             raise ValueError(f"request {req.req_id}: no free row (max_num_seqs "
                              f"{self.config.max_num_seqs})")
         if not 0 <= first_token < self.model.config.vocab_size:
@@ -142,8 +152,8 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         """Whether any request waits or runs, or a decode step's tokens are still on their way."""
-        return (bool(self.waiting) or any(r is not None for r in self.rows)
-                or bool(self.readback.pending) or bool(self._prefilled))
+        return (bool(self.waiting) or bool(self._row_of) or bool(self.readback.pending)
+                or bool(self._prefilled))
 
     def step(self, progress: Callable[[StepRecord], None] | None = None) -> list[StepRecord]:
         """One engine step: admit + one eager prefill, then one decode of every running row."""
@@ -154,7 +164,7 @@ class Engine:
             out.append(self._prefill(fresh))
             fresh = [r for r in fresh if r.finish_reason is None]
         fresh, self._prefilled = fresh + self._prefilled, []
-        rec = self._decode(fresh) if fresh or any(r is not None for r in self.rows) else None
+        rec = self._decode(fresh) if fresh or self._row_of else None
         out += [rec] if rec is not None else []
         # Tokens of earlier steps: all of them in sync mode; all but the step just launched
         # under overlap (read while the GPU runs it), or all when nothing was launched.
@@ -201,7 +211,7 @@ class Engine:
     def _admit(self) -> list[Request]:
         """Waiting requests in order while a row, blocks for prompt + 1 and budget allow."""
         cfg, out, used = self.config, [], 0
-        running = sum(r is not None for r in self.rows) + len(self._prefilled)
+        running = len(self._row_of) + len(self._prefilled)
         while self.waiting and running + len(out) < cfg.max_num_seqs:
             req = self.waiting[0]
             n = len(req.prompt) + len(req.output)  # a resumed request recomputes its output
@@ -229,20 +239,32 @@ class Engine:
     def _append(self, req: Request, token: int) -> bool:
         """Append a sampled token; finish (free blocks) on eos or length. True if finished."""
         req.output.append(token)
-        if token == self.config.eos_token_id or len(req.output) >= req.max_new_tokens:
-            req.finish_reason = "eos" if token == self.config.eos_token_id else "length"
+        return self._finish_if_done(req, token)
+
+    def _finish_if_done(self, req: Request, token: int) -> bool:
+        """Finish ``req`` if ``token`` (its last output) is eos or its output is complete: free
+        its blocks; its row goes at the next _retire and its tokens still on their way are
+        dropped. True if finished."""
+        eos = self.config.eos_token_id
+        if token == eos or len(req.output) >= req.max_new_tokens:
+            req.finish_reason = "eos" if token == eos else "length"
             self.allocator.free(req.blocks)
             req.blocks = []
             self._live.discard(req.req_id)
+            self._ending.add(req)
+            for drop, _ in self._pending:
+                drop.add(req)
         return req.finish_reason is not None
 
     def _preempt(self, req: Request) -> None:
         """Recompute preemption (vLLM's default): give back every block, requeue at the front;
-        resumed later by a prefill of prompt + output."""
+        resumed later by a prefill of prompt + output. Its tokens on their way are dropped."""
         self.allocator.free(req.blocks)
         req.blocks, req.num_computed, req.num_preemptions = [], 0, req.num_preemptions + 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
+        for drop, _ in self._pending:
+            drop.add(req)
 
     def _decode(self, fresh: list[Request]) -> StepRecord | None:
         """Blocks for carried rows (preempting if none is free), row layout, one decode launch,
@@ -250,77 +272,133 @@ class Engine:
         hole at the next :meth:`_retire`). Under overlap nothing here waits for the GPU: the
         carried rows' input tokens are read by the prep from ``buffers.sampled`` on the device,
         positions advance by the count of launched steps, and blocks are allocated for the
-        position the step writes, known before any token comes back."""
-        t0, bs, rows = time.perf_counter(), self.config.block_size, self.rows
-        appended: dict[int, int] = {}  # req_id -> block appended this step
-        for i, req in enumerate(rows):  # carried rows whose next position opens a block
-            while req is not None and rows[i] is req and req.num_computed // bs >= len(req.blocks):
+        position the step writes, known before any token comes back.
+
+        Every row advances one position per launch, so the launch at which a row next needs a
+        block (its position reaches len(blocks) * block_size) or has its last token in flight
+        is known in advance: rows are looked at only then (``_wake``), or when they join."""
+        t0, bs, rows, row_of = time.perf_counter(), self.config.block_size, self.rows, self._row_of
+        launch = self._launches
+        woken = sorted({r for r in self._wake.pop(launch, ()) if r in row_of}, key=row_of.get)
+        # carried rows whose next position opens a block, in row order: one block each
+        need = [r for r in woken if r.num_computed // bs >= len(r.blocks)]
+        got = self.allocator.allocate(len(need))  # what they would get one by one, or None
+        appended = dict(zip(need, got or ()))  # request -> block appended this step
+        for req, block in appended.items():
+            req.blocks.append(block)
+        for req in need if got is None else ():  # too few free: one by one, preempting
+            while req in row_of and req.num_computed // bs >= len(req.blocks):
                 got = self.allocator.allocate(1)
                 if got is not None:
                     req.blocks.append(got[0])
-                    appended[req.req_id] = got[0]
+                    appended[req] = got[0]
                     break
                 alive = [r for r in rows if r is not None] + fresh
                 victim = max(alive, key=lambda r: r.admit_seq)  # most recently admitted
-                appended.pop(victim.req_id, None)
+                appended.pop(victim, None)
                 self._preempt(victim)
                 if victim in fresh:
                     fresh.remove(victim)
                 else:
-                    rows[rows.index(victim)] = None
-        new = {id(r) for r in fresh}
-        _place(rows, fresh)
+                    rows[row_of.pop(victim)] = None
+        exact = True  # every req_id of a new row fits the int64 cache as is
+        for i in _place(rows, fresh):
+            row_of[rows[i]] = i
+            exact = _fits_int64(rows[i].req_id) and exact
+            if exact:
+                self._ids[i] = rows[i].req_id
         if not rows:  # everything was preempted (cannot happen while one request fits alone)
             return None
-        step = DecodeStep.build(  # new rows: (token, position = tokens in KV, whole block row)
-            [r.req_id for r in rows],
-            {i: (r.output[-1], r.num_computed, r.blocks)
-             for i, r in enumerate(rows) if id(r) in new},
-            [(i, appended[r.req_id]) for i, r in enumerate(rows) if r.req_id in appended])
+        appends = sorted((row_of[r], b) for r, b in appended.items())
+        if fresh or not exact:  # new rows: (token, position = tokens in KV, whole block row)
+            step = DecodeStep.build(
+                self._ids[:len(rows)].copy() if exact else [r.req_id for r in rows],
+                {row_of[r]: (r.output[-1], r.num_computed, r.blocks) for r in fresh}, appends)
+        else:  # carried rows only: the arrays as DecodeStep holds them
+            step = DecodeStep(self._ids[:len(rows)].copy(),
+                              append_rows=np.array([i for i, _ in appends], np.int32),
+                              append_block_ids=np.array([b for _, b in appends], np.int32))
         res = self.runner.decode(step)
         for req in rows:  # the token this step writes into the KV cache
             req.num_computed += 1
-        self.readback.push(self.buffers.sampled, [(r, r.num_preemptions) for r in rows])
+        self._launches, due = launch + 1, []
+        for req in dict.fromkeys([r for r in woken if r in row_of] + fresh):
+            c, end = req.num_computed, len(req.prompt) + req.max_new_tokens - 1
+            if c >= end:  # all its tokens generated or in flight: retired next step
+                due.append(row_of[req])
+                self._ending.add(req)
+            else:  # wake at the launch that opens a block or sends its last token
+                self._wake[launch + 1 + max(0, min(len(req.blocks) * bs, end - 1) - c)].append(req)
+        self.readback.push(self.buffers.sampled, list(rows))
+        self._pending.append((set(), due))
         return self._record("decode", res.path, res.num_reqs, res.padded_size, res.prep_us,
                             res.upload_bytes, t0)
 
     def _drain(self) -> None:
         """Append the tokens of the oldest pending decode step. A request that finished or was
-        preempted after that step was launched drops its token (its next one is recomputed)."""
-        rows, tokens = self.readback.pop()
-        for (req, epoch), tok in zip(rows, tokens):
-            if req.finish_reason is None and req.num_preemptions == epoch:
-                self._append(req, tok)
+        preempted after that step was launched drops its token (its next one is recomputed).
+        Only rows whose token is eos or was due to be their last are checked for a finish."""
+        reqs, tokens = self.readback.pop()
+        drop, due = self._pending.popleft()
+        if drop:
+            for req, tok in zip(reqs, tokens):
+                if req not in drop:
+                    self._append(req, tok)
+            return
+        for req, tok in zip(reqs, tokens):
+            req.output.append(tok)
+        eos, ends = self.config.eos_token_id, set(due)
+        if eos is not None and eos in tokens:
+            ends.update(i for i, t in enumerate(tokens) if t == eos)
+        for i in sorted(ends):
+            self._finish_if_done(reqs[i], tokens[i])
 
     def _retire(self) -> None:
         """Turn rows into holes whose request finished (eos seen by the last drain) or has all
         its tokens generated or in flight (a length finish known before the tokens arrive)."""
-        for i, req in enumerate(self.rows):
-            if req is not None and (req.finish_reason is not None or
-                                    len(req.output) + _in_flight(req) >= req.max_new_tokens):
+        for req in self._ending:
+            i = self._row_of.pop(req, None)
+            if i is not None:
                 self.rows[i] = None
+        self._ending.clear()
+        if not self._row_of:  # no running row: every wake-up left is stale
+            self._wake.clear()
 
 
-def _in_flight(req: Request) -> int:
-    """Tokens launched but not read back yet: a request's KV holds its prompt and every output
-    token but the last one, plus one entry per launched step."""
-    return req.num_computed - len(req.prompt) - len(req.output) + 1
+_I64 = np.iinfo(np.int64)
 
 
-def _place(rows: list, fresh: list) -> None:
+def _fits_int64(req_id) -> bool:
+    """Whether DecodeStep takes ``req_id`` as an int64 (a Python or numpy int, not a bool, in
+    range); for anything else DecodeStep.build raises the error that names it."""
+    return (isinstance(req_id, (int, np.integer)) and not isinstance(req_id, (bool, np.bool_))
+            and _I64.min <= req_id <= _I64.max)
+
+
+def _place(rows: list, fresh: list) -> list[int]:
     """Stable row layout, in place: new requests fill holes (lowest first), remaining holes are
     closed by moving the LAST rows into them (vLLM's InputBatch.condense), then the rest of the
-    new requests are appended. Rows that neither finished nor moved keep their index."""
-    holes = [i for i, r in enumerate(rows) if r is None]
+    new requests are appended. Rows that neither finished nor moved keep their index.
+
+    Returns the rows written (a new or moved request now there), ascending."""
+    holes, i = [], -1
+    for _ in range(rows.count(None)):  # C-speed scans: nothing to do in a steady step
+        i = rows.index(None, i + 1)
+        holes.append(i)
+    written = []
     for req in fresh:
         if holes:
-            rows[holes.pop(0)] = req
+            written.append(holes.pop(0))
+            rows[written[-1]] = req
         else:
+            written.append(len(rows))
             rows.append(req)
     for h in holes:  # ascending; left only when every new request found a hole
         while rows and rows[-1] is None:
             rows.pop()
         if h < len(rows):
             rows[h] = rows.pop()
+            written.append(h)
     while rows and rows[-1] is None:
         rows.pop()
+    return sorted(written)
