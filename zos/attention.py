@@ -7,10 +7,9 @@ blocks each request row owns (no gather of all ``W`` block-table columns); kerne
 constants, never on device values, so a call can be captured once in a CUDA graph and replayed
 with new ``seq_lens`` / ``block_table`` contents.
 """
-import zos._interpret  # noqa: F401  (sets TRITON_INTERPRET before the kernels are defined)
+from zos._interpret import interpreted  # sets TRITON_INTERPRET before triton is imported
 
 import math
-import os
 
 import torch
 import triton
@@ -58,10 +57,6 @@ def default_num_splits(num_reqs: int, num_kv_heads: int, max_blocks: int, block_
     cap = min(_MAX_SPLITS, max(1, tiles // _MIN_TILES_PER_SPLIT))
     return max(1, min(want, cap))
 
-
-def _interpreted(device: torch.device) -> bool:
-    """True when the kernels run in Triton's CPU interpreter (CPU tensors or TRITON_INTERPRET)."""
-    return device.type == "cpu" or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def _need_tensor(name: str, t) -> None:
@@ -214,7 +209,7 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table:
     block_n = _block_n(q.dtype)
     tiles = triton.cdiv(w * block_size, block_n)
     if num_splits is None:  # the interpreter runs programs one by one: splitting only costs
-        num_splits = (1 if _interpreted(q.device)
+        num_splits = (1 if interpreted(q.device)
                       else default_num_splits(r, hkv, w, block_size, block_n))
     num_splits = min(num_splits, tiles)
     block_m = max(16, triton.next_power_of_2(q_len * group))
@@ -222,7 +217,7 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table:
     direct = num_splits == 1
     # float32: exact (IEEE) products, no TF32. The CPU interpreter's bf16 tl.dot is broken
     # (Triton 3.9 returns garbage), so interpreted 16-bit products are done in float32 too.
-    ieee_dot = q.dtype == torch.float32 or _interpreted(q.device)
+    ieee_dot = q.dtype == torch.float32 or interpreted(q.device)
     if direct:
         part_out = part_lse = out  # unused by the kernel when DIRECT
     else:

@@ -12,9 +12,7 @@ launch nothing.
 """
 from __future__ import annotations
 
-import zos._interpret  # noqa: F401  (sets TRITON_INTERPRET before triton is imported)
-
-import os
+from zos._interpret import interpreted  # sets TRITON_INTERPRET before triton is imported
 
 import torch
 import triton
@@ -32,14 +30,10 @@ _GPU_ROPE_TILE = 1024
 _INTERP_TILE = 16384
 
 
-def _interpreted(device: torch.device) -> bool:
-    """True when the kernels run in Triton's CPU interpreter (CPU tensors or TRITON_INTERPRET)."""
-    return device.type == "cpu" or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
 
 def _rows_per_program(device: torch.device, n_rows: int, block: int) -> int:
     """1 on the GPU; on the interpreter as many rows as fit in _INTERP_TILE (a power of 2)."""
-    if not _interpreted(device):
+    if not interpreted(device):
         return 1
     return max(1, min(triton.next_power_of_2(n_rows), _INTERP_TILE // block))
 
@@ -202,7 +196,7 @@ def rope_and_store_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
         return q
     n_pairs = t * (num_heads + num_kv_heads)
     half_block = triton.next_power_of_2(head_dim // 2)
-    tile = _INTERP_TILE if _interpreted(qkv.device) else _GPU_ROPE_TILE
+    tile = _INTERP_TILE if interpreted(qkv.device) else _GPU_ROPE_TILE
     pairs = max(1, min(triton.next_power_of_2(n_pairs), tile // half_block))
     num_slots = kv_cache.shape[1] * kv_cache.shape[2]
     rope_store_kv_kernel[(triton.cdiv(n_pairs, pairs),)](
