@@ -69,14 +69,17 @@ def run_combo(model, backend, overlap, n, ctx, args) -> dict:
     for _ in range(args.warmup):
         engine.step()
     torch.cuda.synchronize()
-    cpu, first = [], len(engine.records)
+    cpu, thread_cpu, first = [], [], len(engine.records)
     t0 = time.perf_counter()
     for _ in range(args.steps):
-        c0, w0 = time.process_time(), engine.readback.wait_seconds
+        c0, th0, w0 = time.process_time(), time.thread_time(), engine.readback.wait_seconds
         engine.step()
         # CPU time of the step's own work: waiting for the GPU (a spinning event wait counts
-        # as CPU time) is taken out.
-        cpu.append((time.process_time() - c0 - (engine.readback.wait_seconds - w0)) * 1e6)
+        # as CPU time) is taken out. process_time counts every thread of the process (torch's
+        # and the driver's too); thread_time only the thread that runs the engine.
+        wait = engine.readback.wait_seconds - w0
+        cpu.append((time.process_time() - c0 - wait) * 1e6)
+        thread_cpu.append((time.thread_time() - th0 - wait) * 1e6)
     torch.cuda.synchronize()
     wall = time.perf_counter() - t0
     recs = [r for r in engine.records[first:] if r.kind == "decode"]
@@ -91,6 +94,7 @@ def run_combo(model, backend, overlap, n, ctx, args) -> dict:
                graph_steps=sum(r.path == "graph" for r in recs),
                tpot_us=wall / args.steps * 1e6, tokens_per_s=n * args.steps / wall,
                host_cpu_us_median=statistics.median(cpu),
+               host_thread_cpu_us_median=statistics.median(thread_cpu),
                metadata_us_median=statistics.median(r.metadata_us for r in recs),
                upload_bytes_median=statistics.median(r.upload_bytes for r in recs),
                gpu_busy_us_per_step=act.busy_us / args.profile_steps,
@@ -169,6 +173,7 @@ def main() -> int:
                       f"  idle {100 * r['gpu_idle_fraction']:5.1f}%"
                       f" ({100 * r['gpu_idle_long_gap_fraction']:4.1f}% in gaps > 20 us)"
                       f"  host CPU {r['host_cpu_us_median']:7.1f} us"
+                      f" (thread {r['host_thread_cpu_us_median']:7.1f})"
                       f"  graph steps {r['graph_steps']}"
                       f" (metadata {r['metadata_us_median']:6.1f})", flush=True)
     gpu, date = torch.cuda.get_device_name(), dt.date.today().isoformat()

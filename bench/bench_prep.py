@@ -33,48 +33,17 @@ import time
 from pathlib import Path
 
 import torch
-import triton
-import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from zos import BucketTable, DecodeBuffers, DeviceMetadataBackend, HostMetadataBackend  # noqa: E402
 from zos.buckets import vllm_policy  # noqa: E402
-from zos.serving.profiling import profile_device  # noqa: E402
+from zos.serving.profiling import gpu_busy, profile_device  # noqa: E402
 
 from workload import SteadyWorkload  # noqa: E402
 
 VARIANTS = ("host", "zos-eager", "zos-graph")
 FIELDS = ("input_ids", "positions", "slot_mapping", "seq_lens", "query_start_loc",
           "block_table", "counts")
-
-
-@triton.jit
-def _globaltimer_ns():
-    """The GPU's global timer (PTX ``%globaltimer``), int64 nanoseconds; re-read on every call."""
-    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64,
-                                     is_pure=False, pack=1)
-
-
-@triton.jit
-def _spin(elapsed_ptr, duration_ns):
-    """Busy-wait until ``duration_ns`` ns of %globaltimer have passed (launch one program);
-    writes the ns actually spent to ``elapsed_ptr`` (int64 [1]), which keeps the loop live."""
-    start = _globaltimer_ns()
-    now = start
-    while now - start < duration_ns:
-        now = _globaltimer_ns()
-    tl.store(elapsed_ptr, now - start)
-
-
-def gpu_busy(us: float, elapsed: torch.Tensor) -> None:
-    """Enqueue ~``us`` microseconds of GPU work on the current stream (no host wait).
-
-    One program of one warp spins on %globaltimer (public Triton API, in place of the
-    private ``torch.cuda._sleep``, whose cycle count depended on the SM clock). Writes the
-    spent nanoseconds into ``elapsed`` (CUDA int64 [1]). Needs a GPU: the Triton CPU
-    interpreter cannot run inline PTX.
-    """
-    _spin[(1,)](elapsed, int(us * 1000), num_warps=1)
 
 
 def make_backend(variant, wl, device, policy):

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from zos import BucketTable, DecodeBuffers, DecodeStep, DeviceMetadataBackend, HostMetadataBackend
 
-from helpers import DEVICE, TraceGen, expected
+from helpers import DEVICE, Req, TraceGen, expected
 
 BS, W, NUM_BLOCKS, VOCAB = 4, 6, 400, 1000
 FIELDS = ("input_ids", "positions", "slot_mapping", "seq_lens", "query_start_loc",
@@ -53,6 +53,43 @@ def test_random_trace_matches_truth(seed, capture):
         for b in (dev, host):
             b.buffers.sampled[: len(rows)] = toks.to(DEVICE)
     assert paths == {True, False}, "trace must cover bucketed and eager (too large) steps"
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="a stalled stream needs a GPU")
+@pytest.mark.parametrize("capture", [False, True])
+def test_stalled_stream_many_steps_in_flight(capture):
+    """Overlap's worst case for the two pinned records: a spin kernel stalls the upload stream,
+    then 8 steps are staged and built back to back without any host wait, so several copies
+    that read a pinned record are pending when the host packs the next one. Every step's
+    metadata (copied on the stream right after its build) must equal the truth."""
+    from zos.serving.profiling import gpu_busy
+
+    gen = TraceGen(11, max_num_reqs=24, block_size=BS, max_blocks=W, num_kv_blocks=NUM_BLOCKS,
+                   vocab=VOCAB, big=True)
+    dev = make("device", capture=capture)
+    steps = []
+    for _ in range(8):
+        step, rows = gen.next_step()
+        rows = [Req(r.rid, r.token, r.pos, list(r.blocks)) for r in rows]  # truth at this step
+        steps.append((step, rows, torch.from_numpy(gen.sampled(gen.rows)).to(DEVICE)))
+    torch.cuda.synchronize()
+    elapsed = torch.zeros(1, dtype=torch.int64, device=DEVICE)
+    spin_done = torch.cuda.Event()
+    gpu_busy(300_000, elapsed)  # 0.3 s: far longer than staging 8 steps on the host
+    spin_done.record()
+    got = []
+    for k, (step, rows, toks) in enumerate(steps):
+        md = dev.prepare(step)
+        got.append((md.padded_size, {f: getattr(md, f).clone() for f in FIELDS}))
+        dev.buffers.sampled[: len(rows)].copy_(toks)
+        if k == 1:
+            assert not spin_done.query(), "the stream must still be stalled after two steps"
+    torch.cuda.synchronize()
+    assert elapsed.item() >= 300_000_000
+    for (_, rows, _), (padded, fields) in zip(steps, got):
+        want = expected(rows, padded, block_size=BS, max_blocks=W)
+        for f in FIELDS:
+            assert fields[f].cpu().numpy().tolist() == want[f].tolist(), f
 
 
 class DrawRng:

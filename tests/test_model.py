@@ -248,3 +248,36 @@ def test_smollm2_greedy_matches_transformers(smollm2):
         ref = out[0, len(p):].tolist()
         assert toks[r].tolist()[:len(ref)] == ref
         assert len(ref) == n_new or ref[-1] == eos
+
+
+def test_smollm2_tokens_depend_on_context_and_block_table(smollm2, monkeypatch):
+    """With real weights, "both backends agree" means something: every request gets its own
+    completion, and a deliberately wrong block table (rows 0 and 1 swapped after each prep)
+    changes the tokens. Random std-0.02 weights pass neither check (context-blind output)."""
+    from zos import DeviceMetadataBackend
+    from zos.serving.engine import Engine, EngineConfig, Request
+
+    _, tok, model = smollm2
+    questions = ["Name a red fruit.", "What is 2 + 2?", "Say hello in French."]
+    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
+               for q in questions]
+    prompts = [p if isinstance(p, list) else list(p["input_ids"]) for p in prompts]
+    cfg = EngineConfig(block_size=16, num_kv_blocks=32, max_num_seqs=4, max_model_len=64,
+                       buckets=[4])
+
+    def run() -> dict:
+        reqs = [Request(i, list(p), 6) for i, p in enumerate(prompts)]
+        return Engine(model, cfg, DEV).run(reqs).outputs
+
+    good = run()
+    assert len({tuple(v) for v in good.values()}) == len(prompts), good
+    build = DeviceMetadataBackend.build
+
+    def swapped_build(self, padded_size):
+        build(self, padded_size)
+        bt = self.buffers.block_table
+        bt[:2] = bt[:2].flip(0).clone()
+
+    monkeypatch.setattr(DeviceMetadataBackend, "build", swapped_build)
+    bad = run()
+    assert bad != good

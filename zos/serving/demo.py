@@ -263,6 +263,7 @@ def run_demo(args) -> dict:
     if not args.quiet:
         print(demo_report.format_samples(samples))
     print(demo_report.format_table(report))
-    print(f"\nidentical tokens: {'YES' if mismatch is None else 'NO: ' + mismatch}")
+    print(f"\nidentical tokens: {'YES' if mismatch is None else 'NO: ' + mismatch} "
+          f"({report['distinct_completions']} distinct completions of {len(slice_)} requests)")
     print(f"report: {', '.join(report['paths'].values())}")
     return report

@@ -1,5 +1,8 @@
-"""Copy and GPU-time accounting from ``torch.profiler`` traces (CUDA only)."""
+"""Copy and GPU-time accounting from ``torch.profiler`` traces, and a GPU spin kernel that
+stands in for a model step or stalls a stream (CUDA only)."""
 from __future__ import annotations
+
+import zos._interpret  # noqa: F401  (sets TRITON_INTERPRET before triton is imported)
 
 import json
 import os
@@ -8,6 +11,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import triton
+import triton.language as tl
 
 LONG_GAP_US = 20.0  # a gap between GPU activities longer than this is counted as host-caused
 
@@ -94,3 +99,32 @@ def timeline(spans: list[tuple[float, float]]) -> tuple[float, float, float]:
             busy, end = busy + (b - end), b
     span = max(b for _, b in spans) - min(a for a, _ in spans) if spans else 0.0
     return busy, span, long_gap
+
+
+@triton.jit
+def _globaltimer_ns():
+    """The GPU's global timer (PTX ``%globaltimer``), int64 nanoseconds; re-read on every call."""
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64,
+                                     is_pure=False, pack=1)
+
+
+@triton.jit
+def _spin(elapsed_ptr, duration_ns):
+    """Busy-wait until ``duration_ns`` ns of %globaltimer have passed (launch one program);
+    writes the ns actually spent to ``elapsed_ptr`` (int64 [1]), which keeps the loop live."""
+    start = _globaltimer_ns()
+    now = start
+    while now - start < duration_ns:
+        now = _globaltimer_ns()
+    tl.store(elapsed_ptr, now - start)
+
+
+def gpu_busy(us: float, elapsed: torch.Tensor) -> None:
+    """Enqueue ~``us`` microseconds of GPU work on the current stream (no host wait).
+
+    One program of one warp spins on %globaltimer (public Triton API, in place of the
+    private ``torch.cuda._sleep``, whose cycle count depended on the SM clock). Writes the
+    spent nanoseconds into ``elapsed`` (CUDA int64 [1]). Needs a GPU: the Triton CPU
+    interpreter cannot run inline PTX.
+    """
+    _spin[(1,)](elapsed, int(us * 1000), num_warps=1)

@@ -91,7 +91,8 @@ def build_report(s: dict, info: dict, slice_, runs: dict, profiled: dict, mismat
                  samples: list, device: torch.device) -> dict:
     """The report dict: ``device`` ("cuda" or "cpu"), ``setup`` (device, versions, date,
     model, trace slice, engine sizes), ``backends`` (:func:`summarize` per backend),
-    ``identical``, ``mismatch``, ``samples``, ``bytes_source``; on CUDA ``ratios`` host/zos
+    ``identical``, ``mismatch``, ``distinct_completions`` (distinct token sequences among the
+    requests' outputs), ``samples``, ``bytes_source``; on CUDA ``ratios`` host/zos
     (metadata us and H2D bytes, medians), on a CPU ``cpu_times`` (why there is no ratio)."""
     import triton
 
@@ -119,7 +120,8 @@ def build_report(s: dict, info: dict, slice_, runs: dict, profiled: dict, mismat
                    warm_up="2 short requests per backend, graphs off, before the timed runs"),
         bytes_source=(f"torch.profiler H2D, {n} sampled decode steps of a separate profiled run"
                       if cuda else CPU_BYTES_SOURCE),
-        backends=backends, identical=mismatch is None, mismatch=mismatch, samples=samples)
+        backends=backends, identical=mismatch is None, mismatch=mismatch, samples=samples,
+        distinct_completions=len({tuple(v) for v in runs["zos"].outputs.values()}))
     if cuda:
         report["ratios"] = dict(
             metadata_us_median=_ratio(h["metadata_us_median"], z["metadata_us_median"]),
@@ -204,7 +206,10 @@ def _markdown(report: dict) -> str:
     out += [f"- **bytes source**: {report['bytes_source']}", "", "## Results", "",
             format_table(report), "", "## Identical tokens", "",
             "YES: both backends generated the same tokens for every request." if
-            report["identical"] else f"**NO**: {report['mismatch']}", "", "## Sample texts", ""]
+            report["identical"] else f"**NO**: {report['mismatch']}", "",
+            f"Distinct completions: {report['distinct_completions']} of "
+            f"{report['setup']['num_requests']} requests (context-blind weights give one or "
+            "a few, and then agreement proves little).", "", "## Sample texts", ""]
     for smp in report["samples"]:
         out += [f"### request {smp['request']}", "", "prompt tail:", "", "```",
                 smp["prompt_tail"], "```", "", "completion:", "", "```", smp["completion"],
