@@ -16,7 +16,11 @@ exactly N rows, no arrivals, no finishes. Per combination, in one process on one
   union of kernel, memcpy and memset intervals) over the span from the first to the last of
   them; idle fraction = 1 - busy / span, and the part of it in gaps longer than 20 us (the
   GPU waiting for the host, as opposed to the ~1 us gaps between the kernels of one graph
-  replay). The profiler adds host overhead, so idle is an upper bound for both backends alike.
+  replay). The profiler adds host overhead, so idle is an upper bound for both backends alike;
+* phase pass (``--steps`` more steps with timers around the engine's phases, from
+  bench_engine_host.py: retire, admit, decode and within it DecodeStep, stage, graph launch,
+  readback push; drain and within it the wait for sampled tokens): median us per phase, the
+  breakdown of the host's step.
 
 Not measured: prefill, arrivals and finishes (decode-only steady state), token correctness
 (tests/test_overlap.py and tests/test_engine.py check that), sampling beyond greedy argmax.
@@ -43,6 +47,9 @@ from zos.serving.engine import Engine, EngineConfig, Request
 from zos.serving.models import random_llama, smollm2_config
 from zos.serving.profiling import profile_device
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_engine_host import breakdown  # noqa: E402
+
 COMBOS = [("host", False), ("zos", False), ("host", True), ("zos", True)]
 BLOCK_SIZE = 16
 
@@ -64,7 +71,7 @@ def make_engine(model, backend: str, overlap: bool, n: int, ctx: int, steps: int
 
 def run_combo(model, backend, overlap, n, ctx, args) -> dict:
     """Warm-up, timed pass and profiled pass of one combination (see the module doc)."""
-    total = args.warmup + args.steps + args.profile_steps
+    total = args.warmup + args.steps + args.profile_steps + args.steps
     engine = make_engine(model, backend, overlap, n, ctx, total + 2, args.seed)
     for _ in range(args.warmup):
         engine.step()
@@ -103,6 +110,7 @@ def run_combo(model, backend, overlap, n, ctx, args) -> dict:
                gpu_idle_long_gap_fraction=act.long_gap_us / act.span_us if act.span_us else None,
                h2d_bytes_per_step=act.h2d_bytes / args.profile_steps,
                h2d_copies_per_step=act.h2d_copies / args.profile_steps)
+    out["phases_us_median"] = breakdown(engine, args.steps, 0)  # timers on: a pass of its own
     return out
 
 
@@ -176,6 +184,8 @@ def main() -> int:
                       f" (thread {r['host_thread_cpu_us_median']:7.1f})"
                       f"  graph steps {r['graph_steps']}"
                       f" (metadata {r['metadata_us_median']:6.1f})", flush=True)
+                ph = r["phases_us_median"]
+                print("    phases us: " + ", ".join(f"{k} {v:.1f}" for k, v in ph.items()))
     gpu, date = torch.cuda.get_device_name(), dt.date.today().isoformat()
     meta = dict(gpu=gpu, date=date, torch=torch.__version__,
                 triton=__import__("triton").__version__, model="SmolLM2-135M shape, random "
