@@ -78,21 +78,33 @@ class RunResult:
     totals: dict[str, float]
 
 
-def make_buckets(cfg: EngineConfig) -> BucketTable | None:
-    """The decode bucket table of ``cfg`` (token rows; the engine runs plain decode, q = 1), or
-    None for no graphs.
+def make_buckets(cfg: EngineConfig, num_draft_tokens: int = 0) -> BucketTable | None:
+    """The decode bucket table of ``cfg`` (token rows, q = 1 + ``num_draft_tokens`` per request;
+    plain decode: k = 0), or None for no graphs.
 
-    ``cfg.buckets`` (sizes or a BucketTable) is taken as given. Otherwise ``cfg.bucket_policy``
-    names a ``zos.buckets.POLICIES`` entry, built with its largest size (``Policy.max_keyword``:
-    max_capture_size, max_num_seqs, max_bs or max_batch_size; at q = 1 all count max_num_seqs)
-    set to ``cfg.max_num_seqs``, then ``BucketTable.with_max(max_num_seqs)``: a full batch has a
-    graph under every policy and for every max_num_seqs (vLLM itself caps at its grid: 12 gives
-    1, 2, 4, 8 there, 1, 2, 4, 8, 12 here). ValueError for an unknown policy name."""
+    ``cfg.buckets`` is taken as given (a BucketTable, or sizes made into one with
+    ``uniform_decode_query_len`` q). Otherwise ``cfg.bucket_policy`` names a
+    ``zos.buckets.POLICIES`` entry, built with k draft tokens and its largest size
+    (``Policy.max_keyword``) for ``cfg.max_num_seqs`` requests: max_num_seqs where the keyword
+    counts requests (max_num_seqs, max_bs, max_batch_size), ``max_num_seqs * q`` where it counts
+    token rows (vLLM's max_capture_size); then ``BucketTable.with_max(max_num_seqs * q)``: a full
+    batch has a graph under every policy, for every max_num_seqs and k (vLLM itself caps at its
+    grid: 12 gives 1, 2, 4, 8 there, 1, 2, 4, 8, 12 here). Every policy's table is uniform
+    decode (sizes multiples of q; ``zos.buckets``). ValueError for an unknown policy name;
+    TypeError/ValueError for a num_draft_tokens that is not an int >= 0."""
+    if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int):
+        raise TypeError(f"num_draft_tokens: expected an int, got {num_draft_tokens!r}")
+    if num_draft_tokens < 0:
+        raise ValueError(f"num_draft_tokens: must be >= 0, got {num_draft_tokens}")
+    q = 1 + num_draft_tokens
     if cfg.buckets is not None or cfg.bucket_policy is None:
         b = cfg.buckets
-        return b if b is None or isinstance(b, BucketTable) else BucketTable(b)
+        return b if b is None or isinstance(b, BucketTable) else BucketTable(
+            b, uniform_decode_query_len=q)
     policy = POLICIES.get(cfg.bucket_policy) if isinstance(cfg.bucket_policy, str) else None
     if policy is None:
         raise ValueError(f"bucket_policy: unknown {cfg.bucket_policy!r}; expected one of "
                          f"{list(POLICIES)} or None")
-    return policy.build(cfg.max_num_seqs).with_max(cfg.max_num_seqs)
+    top = cfg.max_num_seqs * q
+    value = cfg.max_num_seqs if policy.max_unit == "requests" else top
+    return policy.build(value, num_draft_tokens=num_draft_tokens).with_max(top)
