@@ -37,7 +37,11 @@ class EngineConfig:
     ``bucket_policy``: a name in ``zos.buckets.POLICIES`` ("vllm", "deepinfer", "sglang",
     "trtllm"), built for max_num_seqs requests with max_num_seqs itself a bucket (see
     ``make_buckets``), or None (no graphs); ``buckets`` (sizes or a BucketTable, token rows,
-    taken as given) overrides it."""
+    taken as given) overrides it. ``graph_capture``: "eager" (every bucket's graph captured at
+    start-up) or "lazy" (each captured right after the first step of its size, which runs
+    eagerly); ``graph_memory_budget``: lazy only, bytes the graph cache may hold (its pool plus
+    each graph's own memory; least recently used graphs evicted), None for no bound
+    (``zos.serving.runner.GraphRunner``, ``zos.graphs.GraphCache``)."""
 
     block_size: int = 16
     num_kv_blocks: int = 1024
@@ -49,6 +53,8 @@ class EngineConfig:
     use_cuda_graph: bool = True
     bucket_policy: str | None = "vllm"
     buckets: BucketTable | Sequence[int] | None = None
+    graph_capture: str = "eager"
+    graph_memory_budget: int | None = None
 
 
 @dataclass(frozen=True)
@@ -56,7 +62,9 @@ class StepRecord:
     """One model run of engine step ``step``: ``kind`` "prefill"/"decode", ``path``
     "graph"/"eager", ``num_reqs``, ``padded_size`` (token rows run; prefill: packed tokens),
     ``metadata_us`` (host us of metadata work), ``upload_bytes`` (H2D metadata bytes),
-    ``preemptions`` (engine total so far), ``seconds`` (host wall time of the run)."""
+    ``preemptions`` (engine total so far), ``seconds`` (host wall time of the run; a lazy
+    capture after the step included), ``eager_reason`` (decode on the eager path: why it had no
+    graph, ``DecodeResult.eager_reason``; None otherwise)."""
 
     step: int
     kind: str
@@ -67,6 +75,7 @@ class StepRecord:
     upload_bytes: int
     preemptions: int
     seconds: float
+    eager_reason: str | None = None
 
 
 @dataclass
