@@ -250,23 +250,98 @@ def test_lazy_capture_same_tokens(llama, backend, overlap):
     assert lazy_res.totals["eager_decode_steps"] == len(first)
 
 
+def waves(seed=11):
+    """Four waves of requests (3, 6, 2, 5), each queued once the previous one has finished, so
+    the batch grows and shrinks and revisits its sizes."""
+    rng, rid, out = random.Random(seed), 0, []
+    for n in (3, 6, 2, 5):
+        wave = []
+        for _ in range(n):
+            wave.append(Request(rid, [rng.randrange(LLAMA_CFG.vocab_size)
+                                      for _ in range(rng.randint(1, 9))], rng.randint(2, 9)))
+            rid += 1
+        out.append(wave)
+    return out
+
+
+class BodyReplay:
+    """A stand-in for a CUDA graph of ``size``: ``replay()`` reruns the runner's body for that
+    size, which is what replaying its graph does (prep kernels, forward, sampling)."""
+
+    def __init__(self, runner, size):
+        self.runner, self.size = runner, size
+
+    def replay(self):
+        self.runner._body(self.size)
+
+
+def drive(engine):
+    """Queue the waves one after another; returns {req_id: output}."""
+    reqs = []
+    for wave in waves():  # fresh Request objects for each engine
+        reqs += wave
+        for r in wave:
+            engine.add_request(r)
+        while engine.has_unfinished():
+            engine.step()
+    return {r.req_id: r.output for r in reqs}
+
+
+_NO_GRAPHS = {}
+
+
+def tokens_without_graphs(llama):
+    """drive() on an engine without graphs (computed once: both backends give the same tokens,
+    tests/test_engine.py)."""
+    if "out" not in _NO_GRAPHS:
+        _NO_GRAPHS["out"] = drive(Engine(llama, engine_cfg(use_cuda_graph=False), DEVICE))
+    return _NO_GRAPHS["out"]
+
+
+def check_against_reference(engine, cost, budget):
+    """The decode steps' paths and eager reasons are those of the plain-list reference over the
+    same padded sizes; the cache ends as the reference's."""
+    dec = [s for s in engine.records if s.kind == "decode"]
+    seq = [s.padded_size for s in dec]
+    events, captured, final, _ = reference(seq, dict.fromkeys(seq, cost), dict.fromkeys(seq, 0),
+                                           budget)
+    assert [s.eager_reason for s in dec] == [None if e[0] == "hit" else e[2] for e in events]
+    assert [s.path for s in dec] == ["graph" if e[0] == "hit" else "eager" for e in events]
+    assert EVICTED in [s.eager_reason for s in dec]  # the waves revisit evicted sizes
+    cache = engine.runner.cache
+    assert cache.captures == len(captured) == engine.graphs_captured
+    assert cache.sizes == final and cache.used_bytes == cost * len(final) <= budget
+
+
+@pytest.mark.parametrize("backend", ["zos", "host"])
+def test_runner_lazy_path_with_body_replay(llama, backend):
+    """The runner's lazy path on any device, graphs stood in for by BodyReplay: a step whose
+    size has no graph runs eagerly with the cache's reason and captures after; the tokens are
+    those of a run without graphs."""
+    want = tokens_without_graphs(llama)
+    engine = Engine(llama, engine_cfg(backend=backend, use_cuda_graph=False), DEVICE)
+    runner = engine.runner
+    runner.cache = GraphCache(lambda s: CapturedGraph(BodyReplay(runner, s), 1000, 0, 0.0),
+                              budget_bytes=2000)
+    assert drive(engine) == want
+    check_against_reference(engine, 1000, 2000)
+
+
+def charge_1000(capture):
+    """``capture`` whose graphs are charged 1000 bytes each and no pool growth."""
+    return lambda s: dataclasses.replace(capture(s), nbytes=1000, pool_bytes=0)
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("backend", ["zos", "host"])
 def test_lazy_budget_evicts_and_recaptures(llama, backend):
     """Each graph is charged 1000 bytes (pool 0) under a budget of 2000: at most two graphs at
-    a time; a size evicted earlier runs eagerly ("evicted") and is captured again."""
-    ref = Engine(llama, engine_cfg(backend=backend, use_cuda_graph=False), DEVICE)
-    want = ref.run(requests(seed=11, n=12)).outputs
+    a time. The eager reasons of the decode steps are those of the plain-list reference over
+    the same padded sizes (sizes evicted earlier run eagerly as "evicted" and are captured
+    again), and the tokens are those of a run without graphs."""
+    want = tokens_without_graphs(llama)
     engine = Engine(llama, engine_cfg(backend=backend, graph_capture="lazy",
                                       graph_memory_budget=2000), DEVICE)
-    cache = engine.runner.cache
-    real = cache.capture_fn
-    cache.capture_fn = lambda s: dataclasses.replace(real(s), nbytes=1000, pool_bytes=0)
-    res = engine.run(requests(seed=11, n=12))
-    assert res.outputs == want
-    dec = [s for s in res.steps if s.kind == "decode"]
-    reasons = [s.eager_reason for s in dec]
-    assert EVICTED in reasons and res.totals["graph_evictions"] >= 1
-    assert len(cache) <= 2 and cache.used_bytes <= 2000
-    assert res.totals["graphs_captured"] == reasons.count(NOT_CAPTURED) + reasons.count(EVICTED)
-    assert all(s.path == "graph" for s in dec if s.eager_reason is None)
+    engine.runner.cache.capture_fn = charge_1000(engine.runner.cache.capture_fn)
+    assert drive(engine) == want
+    check_against_reference(engine, 1000, 2000)
