@@ -247,6 +247,12 @@ DEMO_FLAGS = (
     ("--bucket-policy", dict(choices=POLICIES + ("none",), help="decode graph buckets "
                              "(default: vllm on CUDA, none on CPU)")),
     ("--no-graphs", dict(action="store_true", help="run decode eagerly on CUDA too")),
+    ("--graph-capture", dict(choices=("eager", "lazy"), default="eager", help="eager: every "
+                             "bucket's graph at start-up (default); lazy: each bucket's graph "
+                             "right after its first step, which runs eagerly")),
+    ("--graph-memory-budget-mb", dict(type=float, help="lazy: MiB the decode graphs may hold "
+                                      "(shared pool + each graph); least recently used graphs "
+                                      "are evicted (default: no bound)")),
     ("--overlap", dict(action="store_true", help="overlapped engine: the host schedules and "
                        "stages step t+1 while the GPU runs step t (tokens read one step late)")),
     ("--out", dict(default="zos-demo-out", help="report directory, created if missing and "
