@@ -186,6 +186,9 @@ class GraphRunner:
         """Run one decode step; sampled tokens land in ``buffers.sampled[:N]`` (on the device).
 
         Rows [N, padded_size) are dummy rows: their ``sampled`` entries keep their old values.
+        The graph of the step's bucket is replayed if the cache holds it; otherwise the body runs
+        eagerly, and under lazy capture (reason "not captured yet" or "evicted") that size's
+        graph is captured right after, within the cache's budget (``DecodeResult.capture_s``).
 
         Raises:
             ValueError: an empty step (N = 0), or the packer's validation errors.
