@@ -204,13 +204,17 @@ class CudaGraphCapturer:
     in one memory pool shared by all its captures (``torch.cuda.graph_pool_handle()``).
 
     Capture records, it does not execute: ``torch.cuda.graph`` synchronizes the device, switches
-    to its own side stream (so nothing else is enqueued on the capturing stream), begins stream
-    capture, and every kernel ``body`` launches is added to the graph instead of running
-    (cudaStreamBeginCapture semantics; allocations come from the pool, in stream order). So a
-    capture after a step of the same size leaves that step's KV, sampled tokens and metadata as
-    they are: that eager step was the warm-up. ``body`` must not synchronize or read device values
-    on the host (illegal during capture), and every kernel it runs must already be compiled for
-    this size (``warm_up``, or an eager run of the same size).
+    to its own side stream (so nothing else is enqueued on the capturing stream) and calls
+    ``CUDAGraph.capture_begin``, i.e. ``cudaStreamBeginCapture``: "when a stream is in capture
+    mode, all operations pushed into the stream will not be executed, but will instead be
+    captured into a graph" (CUDA Runtime API reference); allocations come from the pool, in
+    stream order. So a capture after a step of the same size leaves that step's KV, sampled
+    tokens and metadata as they are: that eager step was the warm-up. What does run is the host
+    side of ``body`` (Python, kernel argument packing), so it must have no host side effects,
+    must not synchronize or read device values on the host (illegal during capture), and every
+    kernel it launches must already be compiled and loaded for this size (``warm_up``, or an
+    eager run of the same size; a Triton autotuner would otherwise benchmark, i.e. execute,
+    during capture).
 
     Measured per capture, after ``torch.cuda.empty_cache()`` and a device synchronize:
     ``pool_bytes``, the growth of ``torch.cuda.memory_reserved()`` (only the pool allocates during
