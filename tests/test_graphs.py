@@ -157,6 +157,15 @@ def test_zero_budget_holds_nothing():
     assert cache.sizes == [4] and cache.reason(2) == OVER_BUDGET and cache.reason(4) is None
 
 
+@pytest.mark.parametrize("size", [0, -3, 2.0, True, "8", None])
+def test_capture_rejects_bad_size(size):
+    cache, fake = make({8: 1}, {8: 0}, None)
+    cache.capture(8)
+    with pytest.raises(ValueError, match="size"):
+        cache.capture(size)
+    assert fake.calls == [8] and cache.sizes == [8] and len(cache.log) == 1
+
+
 @pytest.mark.parametrize("bad,exc", [(-1, ValueError), (1.5, TypeError), (True, TypeError),
                                      ("10", TypeError)])
 def test_budget_validation(bad, exc):

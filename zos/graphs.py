@@ -16,7 +16,7 @@ on first use (ggml-cuda.cu, ``ggml_cuda_graph``). The budget and LRU eviction ar
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +27,7 @@ import torch
 NOT_CAPTURED = "not captured yet"
 EVICTED = "evicted"
 OVER_BUDGET = "over budget"
+LOG_LIMIT = 4096  # GraphCache.log keeps the last this many events
 
 
 @dataclass(frozen=True)
@@ -87,7 +88,8 @@ class GraphCache:
         self.pool_bytes = 0
         self.hits = self.misses = self.captures = self.evictions = 0
         self.capture_seconds = 0.0
-        self.log: list[dict] = []  # one dict per capture / eviction / refusal, in order
+        # one dict per capture / eviction / refusal, in order (the last LOG_LIMIT)
+        self.log: deque[dict] = deque(maxlen=LOG_LIMIT)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -131,7 +133,10 @@ class GraphCache:
 
     def capture(self, size: int) -> bool:
         """Make sure ``size`` holds a graph within the budget (see the class docstring);
-        returns whether it does. A size marked over budget is not captured again."""
+        returns whether it does. A size marked over budget is not captured again.
+        ValueError (before anything is captured or evicted) unless size is an int >= 1."""
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"size: expected an int >= 1 (token rows), got {size!r}")
         if size in self._entries:
             return True
         if size in self._over:
