@@ -19,9 +19,12 @@ def all_tables():
         B.vllm_policy(), B.vllm_policy(100), B.vllm_policy(num_draft_tokens=3),
         B.vllm_policy(num_draft_tokens=2, spec_rounding="round_up"),
         B.deepinfer_policy(), B.deepinfer_policy(nextn=5), B.deepinfer_policy(4),
+        B.deepinfer_policy(nextn=5, spec_rounding="none"), B.deepinfer_policy(97, nextn=2),
+        B.vllm_policy(100, num_draft_tokens=4, spec_rounding="none"),
         B.sglang_policy(), B.sglang_policy(512), B.sglang_policy(num_draft_tokens=3),
         B.sglang_policy(attn_tp_size=4, max_running_requests=50),
         B.trtllm_policy(), B.trtllm_policy(512), B.trtllm_policy(100, enable_padding=False),
+        B.trtllm_policy(num_draft_tokens=3), B.trtllm_policy(17, num_draft_tokens=4),
         BucketTable([3, 7, 8, 30, 31, 100]),
     ]
 
@@ -52,20 +55,29 @@ def test_vllm_worst_cases_exact():
     assert (w.bucket, w.worst_n, Fraction(w.worst_waste)) == (16, 9, Fraction(7, 16))
 
 
-def vllm_reference(mx, k, rounding="round_up", include_max=True):
-    """vLLM's grid up to mx, each size rounded up to a multiple of q = 1 + k by counting up (or
-    dropped unless a multiple, "filter"), kept if <= mx, plus the largest multiple of q <= mx."""
-    q, out = k + 1, []
-    for s in [1, 2, 4] + list(range(8, 256, 8)) + list(range(256, mx + 1, 16)):
+def round_to_q(sizes, q, mx, rounding):
+    """Each size rounded up to a multiple of q by counting up ("round_up"), dropped unless a
+    multiple ("filter") or kept as is ("none"); kept if <= mx, without duplicates, sorted."""
+    out = []
+    for s in sizes:
         if s > mx or (rounding == "filter" and s % q):
             continue
         r = s
-        while r % q:
+        while rounding != "none" and r % q:
             r += 1
         if r <= mx and r not in out:
             out.append(r)
+    return sorted(out)
+
+
+def vllm_reference(mx, k, rounding="round_up", include_max=True):
+    """vLLM's grid up to mx made multiples of q = 1 + k (round_to_q), plus the largest multiple
+    of q <= mx (mx itself with "none")."""
+    q = k + 1
+    out = round_to_q([1, 2, 4] + list(range(8, 256, 8)) + list(range(256, mx + 1, 16)), q, mx,
+                     rounding)
     top = mx
-    while top % q:
+    while rounding != "none" and top % q:
         top -= 1
     if include_max and top > 0 and top not in out:
         out.append(top)
@@ -108,6 +120,9 @@ def test_vllm_spec_against_reference(mx, k, rounding, include_max):
         return
     t = B.vllm_policy(mx, num_draft_tokens=k, spec_rounding=rounding, include_max=include_max)
     assert t.sizes == ref and t.uniform_decode_query_len == q
+    assert t.uniform_decode == (rounding != "none")
+    if rounding == "none":
+        return
     assert all(s % q == 0 for s in t.sizes)
     if rounding == "round_up":
         assert t.sizes[0] == q
@@ -125,13 +140,54 @@ def test_vllm_spec_errors():
 def test_deepinfer_counts():
     t = B.deepinfer_policy(256, nextn=0)
     assert len(t) == 35 and t.max_size == 256 and t.sizes[:5] == (1, 2, 4, 8, 16)
-    t5 = B.deepinfer_policy(256, nextn=5)
-    assert len(t5) == 195 and t5.max_size == 1536 and t5.uniform_decode_query_len == 6
-    assert not t5.uniform_decode
-    assert t5.sizes[-3:] == (1520, 1528, 1536)
+    raw = B.deepinfer_policy(256, nextn=5, spec_rounding="none")  # DeepInfer's own table
+    assert len(raw) == 195 and raw.max_size == 1536 and raw.uniform_decode_query_len == 6
+    assert not raw.uniform_decode and raw.sizes[-3:] == (1520, 1528, 1536)
+    # the same 195 sizes are the q = 1 table of 1536 requests: what bench_graphs.py captures
+    assert B.deepinfer_policy(1536).sizes == raw.sizes
+    t5 = B.deepinfer_policy(256, nextn=5)  # default: rounded up to multiples of q = 6
+    assert len(t5) == 193 and t5.uniform_decode and t5.max_size == 1536
+    assert t5.sizes[:10] == (6, 12, 18, 24, 36, 42, 48, 60, 66, 72)
+    assert t5.sizes[-3:] == (1524, 1530, 1536)
     assert B.from_policy("deepinfer", max_num_seqs=256, nextn=5).sizes == t5.sizes
+    filt = B.deepinfer_policy(256, nextn=5, spec_rounding="filter")
+    assert filt.sizes == tuple(range(24, 1537, 24)) and len(filt) == 64
     assert B.deepinfer_policy(4).sizes == (1, 2, 4)  # interval clipped to max
     assert B.deepinfer_policy(3, interval=1).sizes == (1, 2, 3)
+    assert B.deepinfer_policy(8, nextn=2).sizes == (3, 6, 9, 18, 24)  # raw 1, 2, 4, 8, 16, 24
+    with pytest.raises(ValueError, match="spec_rounding"):
+        B.deepinfer_policy(nextn=1, spec_rounding="down")
+
+
+def deepinfer_reference(seqs, nextn, interval, rounding):
+    """DeepInfer's raw sizes by counting (powers of two below the interval, then every interval
+    below the max, then the max), made multiples of q by round_to_q."""
+    q = 1 + nextn
+    mx = seqs * q
+    step = min(interval, mx)
+    raw, p = [], 1
+    while p < step:
+        raw.append(p)
+        p *= 2
+    s = step
+    while s < mx:
+        raw.append(s)
+        s += step
+    return tuple(round_to_q(raw + [mx], q, mx, rounding))
+
+
+@pytest.mark.parametrize("seqs", [1, 5, 17, 97, 256])
+@pytest.mark.parametrize("nextn", [0, 1, 2, 5, 6])
+@pytest.mark.parametrize("interval", [1, 3, 8])
+@pytest.mark.parametrize("rounding", B.SPEC_ROUNDINGS)
+def test_deepinfer_against_reference(seqs, nextn, interval, rounding):
+    q = 1 + nextn
+    t = B.deepinfer_policy(seqs, nextn=nextn, interval=interval, spec_rounding=rounding)
+    assert t.sizes == deepinfer_reference(seqs, nextn, interval, rounding)
+    assert t.uniform_decode_query_len == q and t.max_size == seqs * q
+    assert t.uniform_decode == (rounding != "none" or q == 1)
+    if t.uniform_decode:
+        assert all(s % q == 0 for s in t.sizes)
 
 
 def test_sglang_default_lists():
@@ -178,7 +234,7 @@ def test_trtllm_sizes():
 
 
 def test_trtllm_graph_keys():
-    sizes = B.trtllm_policy(128).sizes
+    sizes = B.trtllm_batch_sizes(128)
     assert B.trtllm_graph_keys(128, 0) == [(b, 0) for b in sizes]
     # one-engine speculation (MTP, Eagle3 one-model): no draft-length-0 graphs
     assert B.trtllm_graph_keys(128, 3) == [(b, 3) for b in sizes]
@@ -187,6 +243,40 @@ def test_trtllm_graph_keys():
     assert len(keys) == 2 * len(sizes) and set(keys) == {(b, d) for b in sizes for d in (3, 0)}
     keys0 = B.trtllm_graph_keys(128, 0, one_engine=False, max_concurrency=16)
     assert keys0 == [(b, 0) for b in sizes]
+
+
+def trtllm_reference(mx, padding):
+    """TensorRT-LLM's batch sizes by counting: with padding 1, 2, 4, every 8 up to 128, then
+    every 64 while <= mx; without, 1..31, 32, 64, 128 and powers of two from 256 below the next
+    power of two >= mx; cut to <= mx, mx appended if missing."""
+    if padding:
+        out = [1, 2, 4] + list(range(8, 129, 8))
+        while out[-1] + 64 <= mx:
+            out.append(out[-1] + 64)
+    else:
+        out, p, top = list(range(1, 32)) + [32, 64, 128], 256, 1
+        while top < mx:  # top: the smallest power of two >= mx
+            top *= 2
+        while p < top:
+            out.append(p)
+            p *= 2
+    out = [b for b in out if b <= mx]
+    return out if out and out[-1] == mx else out + [mx]
+
+
+@pytest.mark.parametrize("mx", [1, 5, 17, 97, 128, 300, 513])
+@pytest.mark.parametrize("k", [0, 1, 2, 4, 6])
+@pytest.mark.parametrize("padding", [True, False])
+def test_trtllm_draft_tables_against_reference(mx, k, padding):
+    """Key (b, k) is bucket b * (1 + k): every graph key of draft length k is a q-uniform size."""
+    q = 1 + k
+    bs = trtllm_reference(mx, padding)
+    assert B.trtllm_batch_sizes(mx, enable_padding=padding) == bs
+    t = B.trtllm_policy(mx, num_draft_tokens=k, enable_padding=padding)
+    assert t.sizes == tuple(b * q for b in bs) and t.uniform_decode_query_len == q
+    assert t.uniform_decode and t.max_size == mx * q
+    assert [b * (1 + d) for b, d in B.trtllm_graph_keys(mx, k, enable_padding=padding)] == list(
+        t.sizes)
 
 
 # ---- the table itself ----------------------------------------------------------------------
@@ -299,7 +389,7 @@ def test_registry_names_and_units():
     assert list(POLICIES) == ["vllm", "deepinfer", "sglang", "trtllm"]
     assert {n: (p.unit, p.max_unit) for n, p in POLICIES.items()} == {
         "vllm": ("token rows", "token rows"), "deepinfer": ("token rows", "requests"),
-        "sglang": ("token rows", "requests"), "trtllm": ("requests", "requests")}
+        "sglang": ("token rows", "requests"), "trtllm": ("token rows", "requests")}
 
 
 @pytest.mark.parametrize("name", list(POLICIES))
@@ -309,29 +399,27 @@ def test_registry_matches_builder_signature(name):
     if name == "sglang":  # max_bs is its own; the rest go through **kwargs to sglang_batch_sizes
         params = {**params, **inspect.signature(B.sglang_batch_sizes).parameters}
     assert params[pol.max_keyword].default == pol.default_max
-    assert pol.draft_keyword is None or pol.draft_keyword in params
+    assert pol.draft_keyword in params
     assert all(o in params for o in pol.options)
     assert pol.build().sizes == B.from_policy(name).sizes == pol.builder().sizes
     assert pol.build(64).sizes == B.from_policy(name, **{pol.max_keyword: 64}).sizes
 
 
 @pytest.mark.parametrize("name", list(POLICIES))
-@pytest.mark.parametrize("k", [0, 1, 2, 5])
+@pytest.mark.parametrize("k", [0, 1, 2, 5, 6])
 def test_registry_units_and_largest_size(name, k):
+    """Every policy's default table with k draft tokens is uniform decode: sizes multiples of q,
+    the largest the largest multiple of q its max allows."""
     pol = POLICIES[name]
-    if pol.draft_keyword is None and k:
-        with pytest.raises(ValueError, match="num_draft_tokens"):
-            pol.build(64, num_draft_tokens=k)
-        return
     q = 1 + k
-    for m in (1, 3, 12, 64, 100, 300):
+    for m in (1, 3, 7, 12, 42, 64, 97, 100, 300):
         if pol.largest_size(m, q) < q:  # vLLM's max counts token rows: fewer than one request
             with pytest.raises(ValueError, match="num_draft_tokens"):
                 pol.build(m, num_draft_tokens=k)
             continue
         t = pol.build(m, num_draft_tokens=k)
-        # the unit says what q is: token rows carry q per request, requests carry 1
-        assert t.uniform_decode_query_len == (q if pol.unit == "token rows" else 1)
+        assert t.uniform_decode_query_len == q and t.uniform_decode
+        assert all(s % q == 0 for s in t.sizes), (m, t.sizes)
         assert t.max_size == pol.largest_size(m, q) // q * q, (m, t.sizes)
 
 
@@ -372,16 +460,31 @@ def test_with_max_non_uniform():
 
 
 @pytest.mark.parametrize("name", list(POLICIES))
-def test_make_buckets_reaches_max_num_seqs(name):
-    q = 1  # the engine runs plain decode
+@pytest.mark.parametrize("k", [0, 1, 4, 6])
+def test_make_buckets_reaches_max_num_seqs(name, k):
+    q = 1 + k
+    pol = POLICIES[name]
     for m in [*range(1, 131), 257, 500]:
-        t = make_buckets(EngineConfig(max_num_seqs=m, bucket_policy=name))
-        assert t.max_size == m * q, (m, t.sizes)
-        ns = np.arange(1, m * q + 1)
+        t = make_buckets(EngineConfig(max_num_seqs=m, bucket_policy=name), k)
+        assert t.max_size == m * q and t.uniform_decode_query_len == q, (m, t.sizes)
+        assert all(s % q == 0 for s in t.sizes), (m, t.sizes)
+        ns = np.arange(1, m + 1) * q  # every request count, q rows each
         padded = t.padded_sizes(ns)
         assert (padded >= ns).all() and (padded <= m * q).all(), m
-        own = B.from_policy(name, **{POLICIES[name].max_keyword: m}).sizes
-        assert t.sizes == tuple(s for s in own if s < m) + (m,), m  # only the max is added
+        value = m if pol.max_unit == "requests" else m * q
+        own = pol.build(value, num_draft_tokens=k).sizes
+        assert t.sizes == tuple(s for s in own if s < m * q) + (m * q,), m  # only the max added
+
+
+def test_make_buckets_vllm_spec_full_batch():
+    """6 requests x 7 rows: 42 is a bucket (vLLM's own rounded grid at 42 is 7, ..., 42)."""
+    assert make_buckets(EngineConfig(max_num_seqs=6, bucket_policy="vllm"), 6).sizes == (
+        7, 14, 21, 28, 35, 42)
+    t = make_buckets(EngineConfig(max_num_seqs=5, buckets=[3, 6]), 2)
+    assert t.sizes == (3, 6) and t.uniform_decode_query_len == 3
+    for bad, exc in ((-1, ValueError), (1.0, TypeError), (True, TypeError)):
+        with pytest.raises(exc, match="num_draft_tokens"):
+            make_buckets(EngineConfig(), bad)
 
 
 @pytest.mark.parametrize("m,expected", [

@@ -29,10 +29,16 @@ def sizes_line(out):
 
 # ---- output ---------------------------------------------------------------------------------
 
-def test_cli_deepinfer_195(capsys):
+def test_cli_deepinfer_nextn(capsys):
     rc, out, _ = run_cli(capsys, "buckets", "--policy", "deepinfer", "--max-num-seqs", "256",
                          "--nextn", "5")
+    assert rc == 0 and "193 sizes" in out and "max 1536" in out and "uniform_decode=True" in out
+    assert sizes_line(out) == B.deepinfer_policy(256, nextn=5).sizes
+    assert "spec rounding: round_up (q=6" in out
+    rc, out, _ = run_cli(capsys, "buckets", "--policy", "deepinfer", "--max-num-seqs", "256",
+                         "--nextn", "5", "--spec-rounding", "none")  # DeepInfer's own table
     assert rc == 0 and "195 sizes" in out and "max 1536" in out and "7/16" in out
+    assert "uniform_decode=False" in out and "spec rounding: none (q=6" in out
 
 
 def test_cli_vllm_default(capsys):
@@ -48,7 +54,8 @@ def test_cli_sglang_and_trtllm(capsys):
                          "--max-running-requests", "50")
     assert rc == 0 and "sizes: 4,8,12,16,24,32,40,48,52" in out
     rc, out, _ = run_cli(capsys, "buckets", "--policy", "trtllm", "--num-draft-tokens", "3")
-    assert rc == 0 and "19 sizes" in out and "graph keys" in out
+    assert rc == 0 and "19 sizes" in out and "graph keys (batch, draft_len): 19" in out
+    assert sizes_line(out) == tuple(4 * b for b in B.trtllm_batch_sizes(128))  # b * q rows
 
 
 def test_cli_explicit_sizes(capsys):
@@ -64,11 +71,11 @@ def test_cli_compare(capsys):
     assert lines[1].split()[:3] == ["vllm", "51", "512"]
     assert lines[2].split()[:3] == ["deepinfer", "35", "256"]
     assert lines[5].startswith("llama.cpp") and "cudaGraphExecUpdate" in lines[5]
-    # the unit column: requests for TensorRT-LLM, token rows for the others
+    # the unit column: token rows for every policy
     col = lines[0].index("unit")
     units = {ln.split()[0]: ln[col:col + 10].strip() for ln in lines[1:6]}
     assert units == {"vllm": "token rows", "deepinfer": "token rows", "sglang": "token rows",
-                     "trtllm": "requests", "llama.cpp": "-"}
+                     "trtllm": "token rows", "llama.cpp": "-"}
 
 
 @pytest.mark.parametrize("name", list(B.POLICIES))
@@ -78,8 +85,7 @@ def test_cli_tables_match_registry(capsys, name, max_size, k):
     pol = B.POLICIES[name]
     rc, out, _ = run_cli(capsys, "buckets", "--policy", name, "--max-size", str(max_size),
                          "--num-draft-tokens", str(k))
-    t = pol.builder(**{pol.max_keyword: max_size},
-                    **({pol.draft_keyword: k} if pol.draft_keyword else {}))
+    t = pol.builder(**{pol.max_keyword: max_size, pol.draft_keyword: k})
     assert rc == 0 and sizes_line(out) == t.sizes
     assert out.startswith(f"policy {name}: {len(t)} sizes, max {t.max_size} ({pol.unit}, ")
     rc, cmp, _ = run_cli(capsys, "buckets", "--compare", "--max-size", str(max_size),
@@ -116,7 +122,7 @@ def test_cli_sizes_cut_at_limit(capsys):
     shown = ",".join(map(str, t.sizes[:MAX_PRINTED_SIZES]))
     assert rc == 0 and len(t) > MAX_PRINTED_SIZES
     assert line == f"sizes: {shown},... ({len(t) - MAX_PRINTED_SIZES} more)"
-    assert f"{len(t)} sizes, max {MAX_SIZE_LIMIT} (requests" in out
+    assert f"{len(t)} sizes, max {MAX_SIZE_LIMIT} (token rows" in out
 
 
 # ---- --spec-rounding ----------------------------------------------------------------------
@@ -181,6 +187,8 @@ def test_cli_compare_says_rounding(capsys):
     (("--sizes", "1,2", "--max-size", "8"), "--max-size"),
     (("--sizes", "1,2", "--compare"), "--compare"),
     (("--policy", "trtllm", "--spec-rounding", "filter"), "--spec-rounding"),
+    (("--policy", "trtllm", "--max-size", str(MAX_SIZE_LIMIT), "--num-draft-tokens", "1"),
+     "--max-size"),
     (("--spec-rounding", "nearest"), "--spec-rounding"),
     (("--policy", "vllm", "--attn-tp-size", "2"), "--attn-tp-size"),
     (("--policy", "sglang", "--attn-cp-size", "0"), "--attn-cp-size"),

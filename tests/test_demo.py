@@ -193,3 +193,17 @@ def test_demo_bad_out_fails_first_in_one_line(tmp_path, monkeypatch, capsys):
         assert cap.err.count("\n") == 1 and "Traceback" not in cap.err, (name, cap.err)
     assert (tmp_path / "a_file").read_text() == "x"
 
+
+
+@pytest.mark.parametrize("extra,err", [
+    (["--graph-memory-budget-mb", "64"], "--graph-memory-budget-mb: only with --graph-capture"),
+    (["--graph-capture", "lazy", "--graph-memory-budget-mb", "-1"],
+     "--graph-memory-budget-mb must be >= 0"),
+])
+def test_demo_graph_flags_checked_first(tmp_path, monkeypatch, capsys, extra, err):
+    """Bad lazy-capture flags are one-line errors (exit 2) before any model is loaded."""
+    monkeypatch.setattr(demo, "load_model", lambda *a, **k: pytest.fail("work before the check"))
+    rc = main(TINY + ["--out", str(tmp_path / "r")] + extra)
+    cap = capsys.readouterr()
+    assert rc == 2 and cap.out == ""
+    assert cap.err.startswith(f"zos demo: error: {err}") and cap.err.count("\n") == 1

@@ -1,9 +1,19 @@
 """Bucket tables: the sizes a CUDA graph is captured for, and rounding an actual size up to one.
 
-Unit: token rows (``N * q`` with ``q = 1 + k`` for k draft tokens) unless a policy says otherwise
-(TensorRT-LLM's table is in requests). A size above the largest bucket has no bucket: that step
-runs eagerly. ``POLICIES`` is the one registry of named policies (vLLM, DeepInfer, SGLang,
-TensorRT-LLM): the CLI, ``from_policy`` and the engine's ``make_buckets`` all read it.
+Unit: token rows (``N * q`` with ``q = 1 + k`` for k draft tokens), for every policy. A size above
+the largest bucket has no bucket: that step runs eagerly. ``POLICIES`` is the one registry of
+named policies (vLLM, DeepInfer, SGLang, TensorRT-LLM): the CLI, ``from_policy`` and the engine's
+``make_buckets`` all read it.
+
+Draft dimension: with k > 0 draft tokens every policy's default table is *uniform decode*: each
+size is a multiple of q, so a bucket of B token rows holds exactly B / q requests of q rows each
+(vLLM's "uniform decode" batches, vllm docs/design/cuda_graphs.md) and can be captured by a
+runner of ``uniform_decode_query_len`` q. vLLM makes its sizes multiples of q by rounding each up
+(``CompilationConfig.adjust_cudagraph_sizes_for_spec_decode``, vllm/config/compilation.py: round
+up, drop those above the max, ``[q]`` if none is left); zos applies the same rule to DeepInfer's
+token-row table (``spec_rounding``), while SGLang and TensorRT-LLM list batch sizes, which are
+multiplied by q. A step where some rows carry no drafts still runs in the q-uniform bucket: those
+rows get zero-length drafts (docs/ZOS.md, "Buckets").
 numpy + stdlib only (no torch) so this can run on the host at start-up.
 """
 from __future__ import annotations
@@ -15,7 +25,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-SPEC_ROUNDINGS = ("round_up", "filter")  # vllm_policy's spec_rounding values; the first is default
+# spec_rounding values of vllm_policy and deepinfer_policy; the first is the default. "none"
+# keeps the system's raw sizes, not multiples of q: a table a q-uniform runner refuses, kept to
+# show what the rounding changes.
+SPEC_ROUNDINGS = ("round_up", "filter", "none")
 LLAMACPP_NOTE = (
     "llama.cpp keeps no bucket list: it caches CUDA graphs by graph structure, updates an "
     "instantiated graph in place (cudaGraphExecUpdate) when only kernel parameters changed, "
@@ -30,6 +43,22 @@ def _check_int(field: str, value, lo: int = 1) -> int:
     if value < lo:
         raise ValueError(f"{field}: must be >= {lo}, got {value!r}")
     return int(value)
+
+
+def _spec_sizes(raw, q: int, mx: int, spec_rounding: str, field: str) -> set[int]:
+    """``raw`` sizes made multiples of q by ``spec_rounding`` (one of SPEC_ROUNDINGS), those
+    above mx dropped: "round_up" rounds each up to a multiple of q (vLLM's
+    ``adjust_cudagraph_sizes_for_spec_decode``), "filter" keeps the multiples, "none" keeps all.
+    ValueError naming ``field`` for an unknown rounding."""
+    if spec_rounding == "round_up":
+        sizes = {-(-s // q) * q for s in raw}
+    elif spec_rounding == "filter":
+        sizes = {s for s in raw if s % q == 0}
+    elif spec_rounding == "none":
+        sizes = set(raw)
+    else:
+        raise ValueError(f"{field}: expected one of {SPEC_ROUNDINGS}, got {spec_rounding!r}")
+    return {s for s in sizes if s <= mx}
 
 
 @dataclass(frozen=True)
@@ -156,51 +185,63 @@ def vllm_policy(max_capture_size: int = 512, *, num_draft_tokens: int = 0,
     """vLLM default ``cudagraph_capture_sizes`` (token rows), from vllm/config/vllm.py
     (``VllmConfig._set_cudagraph_sizes``, documented in vllm/config/compilation.py):
     ``[1, 2, 4] + range(8, 256, 8) + range(256, max + 1, 16)``, sizes <= max (51 at 512; vLLM's
-    own default max is ``min(2 * max_num_seqs, 512)``).
+    own default max is ``min(max_num_seqs * q * 2, 512)``, q = 1 + num_speculative_tokens).
 
     With k draft tokens (q = 1 + k) uniform decode needs multiples of q. ``spec_rounding``, one
     of ``SPEC_ROUNDINGS``: ``"round_up"`` (default) rounds each size up to a multiple of q,
     dedupes and drops those above max, as ``CompilationConfig.adjust_cudagraph_sizes_for_spec_
-    decode`` (vllm/config/compilation.py) does in recent vLLM (96, q=3: 3, 6, 9, 18, 24, 33, ...,
-    90, 96); ``"filter"`` keeps only the sizes already divisible by q (96, q=3: 24, 48, 72, 96).
+    decode`` (vllm/config/compilation.py) does in vLLM v1 (96, q=3: 3, 6, 9, 18, 24, 33, ...,
+    90, 96; vLLM also rounds to the tensor-parallel size under sequence parallelism, not modelled
+    here); ``"filter"`` keeps only the sizes already divisible by q (96, q=3: 24, 48, 72, 96);
+    ``"none"`` keeps the grid as it is (vLLM before that rounding existed; not uniform decode
+    for q > 1, so a q-uniform runner refuses it).
 
     ``include_max`` (zos; default True): the largest multiple of q <= max is a size too, so a
-    full batch of ``max // q`` requests has a graph (42, q=7: 7, 14, 21, 28, 35, 42). vLLM itself
-    caps at its grid (``include_max=False``): max 12 gives 1, 2, 4, 8, so 9 to 12 requests run
-    eagerly; 512 with q=3 stops at 498 (166 requests) where zos adds 510 (170).
+    full batch of ``max // q`` requests has a graph (42, q=7: 7, 14, 21, 28, 35, 42: 6 requests
+    of 7 rows). vLLM itself caps at its grid (``include_max=False``): max 12 gives 1, 2, 4, 8, so
+    9 to 12 requests run eagerly; 512 with q=3 stops at 498 (166 requests) where zos adds 510
+    (170). With "none" and include_max, max itself is added.
     ValueError for an unknown spec_rounding, or if no size is left (q > max; with "filter" and
     include_max=False, no grid size divisible by q)."""
     mx = _check_int("max_capture_size", max_capture_size)
     k = _check_int("num_draft_tokens", num_draft_tokens, 0)
     q = 1 + k
     grid = [s for s in [1, 2, 4, *range(8, 256, 8), *range(256, mx + 1, 16)] if s <= mx]
-    if spec_rounding == "round_up":
-        sizes = {-(-s // q) * q for s in grid}
-    elif spec_rounding == "filter":
-        sizes = {s for s in grid if s % q == 0}
-    else:
-        raise ValueError(f"spec_rounding: expected one of {SPEC_ROUNDINGS}, got {spec_rounding!r}")
-    sizes = {s for s in sizes if s <= mx} | ({mx // q * q} if include_max and q <= mx else set())
+    sizes = _spec_sizes(grid, q, mx, spec_rounding, "spec_rounding")
+    top = mx if spec_rounding == "none" else mx // q * q
+    sizes |= {top} if include_max and q <= mx else set()
     if not sizes:
         raise ValueError(f"num_draft_tokens: {k} leaves no size <= max_capture_size={mx} that is "
                          f"a multiple of q={q} (spec_rounding={spec_rounding!r}, "
                          f"include_max={include_max})")
-    return BucketTable(sorted(sizes), uniform_decode_query_len=q, name="vllm")
+    return BucketTable(sorted(sizes), uniform_decode_query_len=q,
+                       uniform_decode=spec_rounding != "none" or q == 1, name="vllm")
 
 
-def deepinfer_policy(max_num_seqs: int = 256, *, nextn: int = 0, interval: int = 8) -> BucketTable:
+def deepinfer_policy(max_num_seqs: int = 256, *, nextn: int = 0, interval: int = 8,
+                     spec_rounding: str = "round_up") -> BucketTable:
     """DeepInfer capture sizes (token rows), deepinfer/worker/cuda_graph_runner.py:
     ``max = max_num_seqs * (1 + nextn)``, ``interval = min(interval, max)``; powers of two from 1
     while < interval, then ``range(interval, max, interval)``, then ``max`` last (35 sizes for
-    256/nextn 0, 195 for 256/nextn 5 with max 1536). q = 1 + nextn; with nextn > 0 the sizes are
-    not multiples of q (dummy token rows pad the step), so ``uniform_decode=False``."""
+    256/nextn 0, 195 for 256/nextn 5 with max 1536).
+
+    With nextn > 0 (q = 1 + nextn) DeepInfer's own sizes are not multiples of q (it pads a step
+    with dummy token rows that form no whole request). zos runs q-uniform buckets, so
+    ``spec_rounding`` (one of ``SPEC_ROUNDINGS``) makes them multiples of q by vLLM's rule
+    (see ``vllm_policy``): "round_up" (default) gives 193 sizes at 256/nextn 5 (1, 2 and 4 all
+    become 6; 6, 12, 18, 24, 36, 42, 48, 60, ..., 1530, 1536), "filter" keeps DeepInfer's
+    multiples of q (64 sizes at 256/5: every 24 rows), "none" keeps DeepInfer's 195 sizes as they
+    are (``uniform_decode=False``: a q-uniform runner refuses that table). The max,
+    ``max_num_seqs * q``, is always a size. ValueError for an unknown spec_rounding."""
     seqs, nextn = _check_int("max_num_seqs", max_num_seqs), _check_int("nextn", nextn, 0)
-    mx = seqs * (1 + nextn)
+    q = 1 + nextn
+    mx = seqs * q
     step = min(_check_int("interval", interval), mx)
-    sizes = [1 << i for i in range(step.bit_length()) if (1 << i) < step]
-    sizes += list(range(step, mx, step)) + [mx]
-    return BucketTable(sizes, uniform_decode_query_len=1 + nextn, uniform_decode=nextn == 0,
-                       name="deepinfer")
+    raw = [1 << i for i in range(step.bit_length()) if (1 << i) < step]
+    raw += list(range(step, mx, step)) + [mx]
+    sizes = _spec_sizes(raw, q, mx, spec_rounding, "spec_rounding")
+    return BucketTable(sorted(sizes), uniform_decode_query_len=q,
+                       uniform_decode=spec_rounding != "none" or q == 1, name="deepinfer")
 
 
 def sglang_batch_sizes(max_bs: int = 256, *, num_draft_tokens: int = 0, attn_tp_size: int = 1,
@@ -249,14 +290,13 @@ def sglang_policy(max_bs: int = 256, **kwargs) -> BucketTable:
                        name="sglang")
 
 
-def trtllm_policy(max_batch_size: int = 128, *, enable_padding: bool = True) -> BucketTable:
-    """TensorRT-LLM (PyTorch backend) CUDA-graph batch sizes, in requests (q = 1), from
+def trtllm_batch_sizes(max_batch_size: int = 128, *, enable_padding: bool = True) -> list[int]:
+    """TensorRT-LLM (PyTorch backend) CUDA-graph batch sizes, in requests, from
     tensorrt_llm/llmapi/llm_args.py (``CudaGraphConfig._generate_cuda_graph_batch_sizes``;
     default max_batch_size 128). enable_padding: ``[1, 2, 4] + range(8, 129, 8)``, then +64 steps
     while <= max (older releases added powers of two from 256 instead); without padding:
     ``range(1, 32) + [32, 64, 128]`` plus powers of two 2**8 .. below 2**ceil(log2 max), and
-    graphs only serve exact sizes. Both: cut to <= max, max appended. TRT-LLM's own default is
-    enable_padding=False; zos defaults to True because padding is what a table models."""
+    graphs only serve exact sizes. Both: cut to <= max, max appended."""
     mx = _check_int("max_batch_size", max_batch_size)
     if enable_padding:
         sizes = [1, 2, 4] + list(range(8, 129, 8))
@@ -268,7 +308,20 @@ def trtllm_policy(max_batch_size: int = 128, *, enable_padding: bool = True) -> 
     sizes = sorted(s for s in sizes if s <= mx)
     if not sizes or sizes[-1] != mx:
         sizes.append(mx)
-    return BucketTable(sizes, name="trtllm")
+    return sizes
+
+
+def trtllm_policy(max_batch_size: int = 128, *, num_draft_tokens: int = 0,
+                  enable_padding: bool = True) -> BucketTable:
+    """TensorRT-LLM's graphs as a zos table (token rows): ``b * q`` for each batch size b of
+    ``trtllm_batch_sizes`` (q = 1 + num_draft_tokens, uniform decode). TensorRT-LLM keys a graph
+    by ``(batch_size, draft_len)`` (``trtllm_graph_keys``); key ``(b, k)`` runs b requests of
+    1 + k token rows, which is bucket ``b * (1 + k)`` here, so one table per draft length k.
+    TRT-LLM's own default is enable_padding=False; zos defaults to True because padding is what a
+    table models."""
+    k = _check_int("num_draft_tokens", num_draft_tokens, 0)
+    bs = trtllm_batch_sizes(max_batch_size, enable_padding=enable_padding)
+    return BucketTable([b * (1 + k) for b in bs], uniform_decode_query_len=1 + k, name="trtllm")
 
 
 def trtllm_graph_keys(max_batch_size: int = 128, max_draft_len: int = 0, *,
@@ -278,13 +331,16 @@ def trtllm_graph_keys(max_batch_size: int = 128, max_draft_len: int = 0, *,
     model_engine.py (``_get_graphs_to_capture``, static draft length): draft lengths are
     ``[max_draft_len]`` plus ``0`` only when max_draft_len > 0, the speculation mode is two-model
     (``one_engine=False``) and ``spec_config.max_concurrency`` is set (speculation can then be
-    switched off at run time). So the count is ``len(sizes) * 1`` or ``* 2``. Not modelled: the
-    dynamic ``draft_len_schedule`` path, tree decoding (keys use max_total_draft_tokens), and
-    extra key parts (short/long sequence for sparse attention, LoRA, in-graph sampling tier)."""
+    switched off at run time). So the count is ``len(sizes) * 1`` or ``* 2``. zos captures key
+    ``(b, d)`` as bucket ``b * (1 + d)`` of ``trtllm_policy(num_draft_tokens=d)``; it keeps no
+    second, draft-length-0 set: a step whose rows carry no drafts runs in the q-uniform bucket
+    with zero-length drafts (docs/ZOS.md). Not modelled: the dynamic ``draft_len_schedule``
+    path, tree decoding (keys use max_total_draft_tokens), and extra key parts (short/long
+    sequence for sparse attention, LoRA, in-graph sampling tier)."""
     d = _check_int("max_draft_len", max_draft_len, 0)
     lens = [d] + ([0] if d > 0 and not one_engine and max_concurrency is not None else [])
-    table = trtllm_policy(max_batch_size, enable_padding=enable_padding)
-    return [(b, x) for b in table for x in lens]
+    bs = trtllm_batch_sizes(max_batch_size, enable_padding=enable_padding)
+    return [(b, x) for b in bs for x in lens]
 
 
 @dataclass(frozen=True)
@@ -292,13 +348,13 @@ class Policy:
     """One named bucket policy of the registry ``POLICIES``.
 
     ``builder(**{max_keyword: value, draft_keyword: k}, **options)`` builds its table, whose sizes
-    are in ``unit``: "token rows" (N * q; vLLM, DeepInfer, SGLang) or "requests" (N; TensorRT-LLM).
-    ``max_keyword`` is the builder's largest-size argument, counted in ``max_unit`` (vLLM's
-    max_capture_size counts token rows; DeepInfer's max_num_seqs, SGLang's max_bs and
-    TensorRT-LLM's max_batch_size count requests), default ``default_max``. ``draft_keyword`` is
-    the builder's draft-token argument (None: the table does not depend on draft tokens;
-    TensorRT-LLM keys them apart, see ``trtllm_graph_keys``). ``options``: the builder's other
-    keywords, which a front end may forward. Where each rule comes from: the builder's docstring.
+    are in ``unit`` ("token rows", N * q, for every policy). ``max_keyword`` is the builder's
+    largest-size argument, counted in ``max_unit`` (vLLM's max_capture_size counts token rows;
+    DeepInfer's max_num_seqs, SGLang's max_bs and TensorRT-LLM's max_batch_size count requests),
+    default ``default_max``. ``draft_keyword`` is the builder's draft-token argument (k; the
+    default table of every policy is uniform decode with q = 1 + k). ``options``: the builder's
+    other keywords, which a front end may forward. Where each rule comes from: the builder's
+    docstring.
     """
 
     name: str
@@ -307,20 +363,15 @@ class Policy:
     max_unit: str
     unit: str
     default_max: int
-    draft_keyword: str | None = "num_draft_tokens"
+    draft_keyword: str = "num_draft_tokens"
     options: tuple[str, ...] = ()
 
     def build(self, max_value: int | None = None, *, num_draft_tokens: int = 0,
               **options) -> BucketTable:
         """The table for largest size ``max_value`` (in ``max_unit``; None: ``default_max``) and
-        k = ``num_draft_tokens``, ``options`` forwarded to the builder. ValueError if k > 0 and
-        the policy has no draft keyword; the builder's errors otherwise."""
-        kwargs = {self.max_keyword: self.default_max if max_value is None else max_value}
-        if self.draft_keyword is not None:
-            kwargs[self.draft_keyword] = num_draft_tokens
-        elif _check_int("num_draft_tokens", num_draft_tokens, 0):
-            raise ValueError(f"num_draft_tokens: {self.name} sizes are in {self.unit} and do not "
-                             f"depend on draft tokens, got {num_draft_tokens}")
+        k = ``num_draft_tokens``, ``options`` forwarded to the builder. The builder's errors."""
+        kwargs = {self.max_keyword: self.default_max if max_value is None else max_value,
+                  self.draft_keyword: num_draft_tokens}
         return self.builder(**kwargs, **options)
 
     def largest_size(self, max_value: int, q: int = 1) -> int:
@@ -335,11 +386,11 @@ POLICIES: dict[str, Policy] = {p.name: p for p in (
     Policy("vllm", vllm_policy, "max_capture_size", "token rows", "token rows", 512,
            options=("spec_rounding", "include_max")),
     Policy("deepinfer", deepinfer_policy, "max_num_seqs", "requests", "token rows", 256,
-           draft_keyword="nextn", options=("interval",)),
+           draft_keyword="nextn", options=("interval", "spec_rounding")),
     Policy("sglang", sglang_policy, "max_bs", "requests", "token rows", 256,
            options=("attn_tp_size", "attn_cp_size", "max_running_requests")),
-    Policy("trtllm", trtllm_policy, "max_batch_size", "requests", "requests", 128,
-           draft_keyword=None, options=("enable_padding",)),
+    Policy("trtllm", trtllm_policy, "max_batch_size", "requests", "token rows", 128,
+           options=("enable_padding",)),
 )}
 
 

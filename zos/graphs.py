@@ -1,33 +1,268 @@
-"""One CUDA graph per bucket: the capture both the prep-only backend and the runner use."""
+"""CUDA graphs keyed by padded size: every bucket captured up front, or each on first use under a
+graph-memory budget with least-recently-used eviction.
+
+``GraphCache`` is the bookkeeping (which sizes hold a graph, what they cost, which to evict); it
+calls a capture function and never touches CUDA itself, so it is tested on a CPU with a fake one.
+``CudaGraphCapturer`` is the CUDA capture function: one ``torch.cuda.CUDAGraph`` per size, all in
+one shared memory pool, with capture time and memory measured. ``warm_up`` runs a body once per
+size before capture; ``capture_per_bucket`` is warm-up plus capture of every size (the prep-only
+backend uses it).
+
+Where this comes from: vLLM and SGLang capture every bucket at start-up, largest first, in one
+graph memory pool (vllm/v1/worker/gpu_model_runner.py ``capture_model``, sglang
+cuda_graph_runner.py); llama.cpp keeps a cache of graphs keyed by the graph's shape and captures
+on first use (ggml-cuda.cu, ``ggml_cuda_graph``). The budget and LRU eviction are zos's.
+"""
 from __future__ import annotations
 
+import time
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+# Why a bucketed step has no graph (GraphCache.reason).
+NOT_CAPTURED = "not captured yet"
+EVICTED = "evicted"
+OVER_BUDGET = "over budget"
+LOG_LIMIT = 4096  # GraphCache.log keeps the last this many events
 
-def capture_per_bucket(sizes: Iterable[int],
-                       body: Callable[[int], None]) -> dict[int, torch.cuda.CUDAGraph]:
-    """Capture ``body(size)`` once per size, largest first, all graphs sharing one memory pool.
 
-    ``body`` runs once per size on a side stream first (Triton compiles, cuBLAS picks its
-    kernels), so it must be safe to execute: the callers stage a record of N = 0, which only
-    writes dummy rows. Returns ``{size: graph}``; replaying a graph reruns ``body(size)``
-    on the buffers it captured (the real row count is read from device memory).
+@dataclass(frozen=True)
+class CapturedGraph:
+    """One capture: ``graph`` (a ``torch.cuda.CUDAGraph``; anything with ``replay()`` for the
+    bookkeeping), ``nbytes`` (device bytes this graph alone holds and frees when it is dropped:
+    the instantiated graph, outside the allocator), ``pool_bytes`` (bytes the shared memory pool
+    grew by during this capture; the pool keeps them while any graph of it lives) and
+    ``seconds`` (host wall time of the capture)."""
+
+    graph: Any
+    nbytes: int
+    pool_bytes: int
+    seconds: float
+
+
+class GraphCache:
+    """Graphs keyed by padded size (token rows), least recently used first.
+
+    Memory model: ``used_bytes = pool_bytes + sum(nbytes of cached graphs)``. The pool is shared
+    by every graph (each capture reuses what earlier captures freed, so it grows to about the
+    largest capture's temporaries) and is released only when the cache holds no graph: then
+    ``release_pool()`` is called and ``pool_bytes`` restarts at 0. Evicting a graph frees its
+    ``nbytes`` only.
+
+    Budget (``budget_bytes``; None: unbounded), enforced by ``capture(size)``:
+      1. before capturing a size captured earlier (its cost ``nbytes`` is known): if the cost
+         alone exceeds the budget, it is not captured and marked over budget; otherwise least
+         recently used graphs are evicted until ``used_bytes + cost <= budget`` (evicting them
+         all releases the pool, so it then fits);
+      2. after a capture, least recently used *other* graphs are evicted until ``used_bytes <=
+         budget``; if the new graph alone (with the pool) is still over, it is dropped too and
+         marked over budget: that size runs eagerly from then on (the first capture of a size can
+         overshoot the budget by its own cost, transiently).
+
+    Args:
+        capture: ``capture(size) -> CapturedGraph``; kept as the attribute ``capture_fn``.
+        budget_bytes: an int >= 0, or None.
+        release_pool: called when the last graph leaves the cache (None: nothing to call).
+
+    Raises:
+        TypeError/ValueError: budget_bytes not None or an int >= 0.
     """
-    sizes = sorted(sizes, reverse=True)
+
+    def __init__(self, capture: Callable[[int], CapturedGraph], *,
+                 budget_bytes: int | None = None,
+                 release_pool: Callable[[], None] | None = None) -> None:
+        if budget_bytes is not None:
+            if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int):
+                raise TypeError(f"budget_bytes: expected an int or None, got {budget_bytes!r}")
+            if budget_bytes < 0:
+                raise ValueError(f"budget_bytes: must be >= 0, got {budget_bytes}")
+        self.capture_fn, self._release = capture, release_pool
+        self.budget_bytes = budget_bytes
+        self._entries: OrderedDict[int, CapturedGraph] = OrderedDict()  # LRU first
+        self._cost: dict[int, int] = {}  # nbytes of each size's last capture
+        self._over: set[int] = set()
+        self.pool_bytes = 0
+        self.hits = self.misses = self.captures = self.evictions = 0
+        self.capture_seconds = 0.0
+        # one dict per capture / eviction / refusal, in order (the last LOG_LIMIT)
+        self.log: deque[dict] = deque(maxlen=LOG_LIMIT)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, size) -> bool:
+        return size in self._entries
+
+    @property
+    def sizes(self) -> list[int]:
+        """Cached sizes, least recently used first."""
+        return list(self._entries)
+
+    @property
+    def graphs(self) -> dict[int, Any]:
+        """``{size: graph}`` of the cached graphs (a copy)."""
+        return {s: e.graph for s, e in self._entries.items()}
+
+    @property
+    def used_bytes(self) -> int:
+        """``pool_bytes`` plus the ``nbytes`` of every cached graph."""
+        return self.pool_bytes + sum(e.nbytes for e in self._entries.values())
+
+    def get(self, size: int):
+        """The graph of ``size`` (now the most recently used), or None (counted as a miss)."""
+        entry = self._entries.get(size)
+        if entry is None:
+            self.misses += 1
+            return None
+        self.hits += 1
+        self._entries.move_to_end(size)
+        return entry.graph
+
+    def reason(self, size: int) -> str | None:
+        """Why ``size`` has no graph: ``OVER_BUDGET`` (it cannot fit), ``EVICTED`` (captured
+        before, evicted since), ``NOT_CAPTURED``; None if it has one."""
+        if size in self._entries:
+            return None
+        if size in self._over:
+            return OVER_BUDGET
+        return EVICTED if size in self._cost else NOT_CAPTURED
+
+    def capture(self, size: int) -> bool:
+        """Make sure ``size`` holds a graph within the budget (see the class docstring);
+        returns whether it does. A size marked over budget is not captured again.
+        ValueError (before anything is captured or evicted) unless size is an int >= 1."""
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"size: expected an int >= 1 (token rows), got {size!r}")
+        if size in self._entries:
+            return True
+        if size in self._over:
+            return False
+        budget = self.budget_bytes
+        if budget is not None and size in self._cost:
+            if self._cost[size] > budget:  # cannot fit even in an empty cache
+                return self._refuse(size)
+            self._evict_until(budget - self._cost[size])
+        cap = self.capture_fn(size)
+        self.captures += 1
+        self.capture_seconds += cap.seconds
+        self.pool_bytes += cap.pool_bytes
+        self._cost[size] = cap.nbytes
+        self._entries[size] = cap
+        self.log.append(dict(event="capture", size=size, seconds=cap.seconds,
+                             nbytes=cap.nbytes, pool_bytes=cap.pool_bytes))
+        if budget is not None:
+            self._evict_until(budget, keep=size)
+            if self.used_bytes > budget:
+                self._evict(size)
+                return self._refuse(size)
+        return True
+
+    def clear(self) -> None:
+        """Drop every graph (the pool is released)."""
+        for s in list(self._entries):
+            self._evict(s)
+
+    def _evict_until(self, limit: int, keep: int | None = None) -> None:
+        """Evict least recently used graphs (never ``keep``) while ``used_bytes > limit``."""
+        while self.used_bytes > limit:
+            victim = next((s for s in self._entries if s != keep), None)
+            if victim is None:
+                return
+            self._evict(victim)
+
+    def _evict(self, size: int) -> None:
+        entry = self._entries.pop(size)
+        self.evictions += 1
+        self.log.append(dict(event="evict", size=size, nbytes=entry.nbytes))
+        del entry
+        if not self._entries:
+            self.pool_bytes = 0
+            if self._release is not None:
+                self._release()
+
+    def _refuse(self, size: int) -> bool:
+        self._over.add(size)
+        self.log.append(dict(event="over budget", size=size, nbytes=self._cost[size]))
+        return False
+
+
+def warm_up(sizes: Iterable[int], body: Callable[[int], None]) -> None:
+    """Run ``body(size)`` once per size (largest first) on a side stream, then synchronize:
+    Triton compiles and autotunes, cuBLAS picks its kernels and CUDA loads its modules, none of
+    which may happen during a capture. ``body`` executes: the caller makes that safe (the runner
+    stages a record of N = 0, which writes dummy rows only). CUDA only."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        for s in sizes:
+        for s in sorted(sizes, reverse=True):
             body(s)
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
-    pool, graphs = torch.cuda.graph_pool_handle(), {}
-    for s in sizes:
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=pool):
-            body(s)
-        graphs[s] = g
-    torch.cuda.synchronize()
-    return graphs
+
+
+class CudaGraphCapturer:
+    """``capturer(size) -> CapturedGraph``: ``body(size)`` recorded into a ``torch.cuda.CUDAGraph``
+    in one memory pool shared by all its captures (``torch.cuda.graph_pool_handle()``).
+
+    Capture records, it does not execute: ``torch.cuda.graph`` synchronizes the device, switches
+    to its own side stream (so nothing else is enqueued on the capturing stream) and calls
+    ``CUDAGraph.capture_begin``, i.e. ``cudaStreamBeginCapture``: "when a stream is in capture
+    mode, all operations pushed into the stream will not be executed, but will instead be
+    captured into a graph" (CUDA Runtime API reference); allocations come from the pool, in
+    stream order. So a capture after a step of the same size leaves that step's KV, sampled
+    tokens and metadata as they are: that eager step was the warm-up. What does run is the host
+    side of ``body`` (Python, kernel argument packing), so it must have no host side effects,
+    must not synchronize or read device values on the host (illegal during capture), and every
+    kernel it launches must already be compiled and loaded for this size (``warm_up``, or an
+    eager run of the same size; a Triton autotuner would otherwise benchmark, i.e. execute,
+    during capture).
+
+    Measured per capture, after ``torch.cuda.empty_cache()`` and a device synchronize:
+    ``pool_bytes``, the growth of ``torch.cuda.memory_reserved()`` (only the pool allocates during
+    a capture), and ``nbytes``, the rest of the drop of free device memory
+    (``torch.cuda.mem_get_info``: the instantiated graph, in the driver; 0 when it rounds below
+    the driver's granularity). ``release_pool()`` forgets the pool (the next capture starts a
+    new one); ``GraphCache`` calls it once no graph of the pool is left. CUDA only.
+    """
+
+    def __init__(self, body: Callable[[int], None]) -> None:
+        self.body = body
+        self.pool = None
+
+    def __call__(self, size: int) -> CapturedGraph:
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        free0, res0 = torch.cuda.mem_get_info()[0], torch.cuda.memory_reserved()
+        t0 = time.perf_counter()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            self.body(size)
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - t0
+        pool = torch.cuda.memory_reserved() - res0
+        driver = free0 - torch.cuda.mem_get_info()[0] - pool
+        return CapturedGraph(graph, max(driver, 0), pool, seconds)
+
+    def release_pool(self) -> None:
+        self.pool = None
+
+
+def capture_per_bucket(sizes: Iterable[int],
+                       body: Callable[[int], None]) -> dict[int, Any]:
+    """Capture ``body(size)`` once per size, largest first, all graphs sharing one memory pool.
+
+    ``body`` runs once per size on a side stream first (``warm_up``), so it must be safe to
+    execute: the callers stage a record of N = 0, which only writes dummy rows. Returns
+    ``{size: torch.cuda.CUDAGraph}``; replaying a graph reruns ``body(size)`` on the buffers it
+    captured (the real row count is read from device memory). CUDA only.
+    """
+    sizes = sorted(sizes, reverse=True)
+    warm_up(sizes, body)
+    capturer = CudaGraphCapturer(body)
+    return {s: capturer(s).graph for s in sizes}

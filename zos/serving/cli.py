@@ -115,7 +115,6 @@ def _table(name: str, args, k: int, kflag: str, **extra) -> BucketTable:
                          f"{alias} and --max-size {args.max_size}")
     value, flag = next(((v, f) for v, f in ((alias, "--max-num-seqs"), (args.max_size,
                         "--max-size")) if v is not None), (pol.default_max, kflag))
-    k = k if pol.draft_keyword else 0  # TensorRT-LLM: draft length is a graph key, not a size
     top = pol.largest_size(value, 1 + k)
     if top > MAX_SIZE_LIMIT:
         raise ValueError(f"{flag}: {name} {pol.max_keyword}={value} with q={1 + k} gives sizes up "
@@ -138,17 +137,20 @@ def _unit(t: BucketTable) -> str:
 
 
 def _notes(t: BucketTable, args, k: int, kflag: str) -> list[str]:
-    """Lines saying how a vllm table was derived: the spec rounding used (when k > 0), and the
-    size zos adds at the max where vLLM's own table stops below it."""
-    if t.name != "vllm":
+    """Lines saying how a vllm or deepinfer table was derived: the spec rounding used (when
+    k > 0), and, for vllm, the size zos adds at the max where vLLM's own table stops below it."""
+    if t.name not in ("vllm", "deepinfer"):
         return []
     q, lines = t.uniform_decode_query_len, []
     if k:
-        rounding = args.spec_rounding or SPEC_ROUNDINGS[0]  # vllm_policy's default
-        how = ("each vLLM size rounded up to a multiple of q, as CompilationConfig."
-               "adjust_cudagraph_sizes_for_spec_decode" if rounding == "round_up"
-               else "vLLM sizes not divisible by q dropped")
+        rounding = args.spec_rounding or SPEC_ROUNDINGS[0]  # the builders' default
+        how = {"round_up": "each size rounded up to a multiple of q, as vLLM's CompilationConfig."
+                           "adjust_cudagraph_sizes_for_spec_decode",
+               "filter": "sizes not divisible by q dropped",
+               "none": "raw sizes, not uniform decode: a q-uniform runner refuses them"}[rounding]
         lines.append(f"spec rounding: {rounding} (q={q}: {how}; --spec-rounding to choose)")
+    if t.name != "vllm":
+        return lines
     try:
         own = _table("vllm", args, k, kflag, include_max=False).sizes
     except ValueError:
@@ -184,7 +186,7 @@ def _print_table(t: BucketTable, k: int, notes: list[str]) -> None:
         print(f"{span:>13} {width:>6} {j - i + 1:>5}  n={ivs[i].worst_n}: {_frac(ivs[i])}")
         i = j + 1
     if t.name == "trtllm":
-        keys = trtllm_graph_keys(t.max_size, k)
+        keys = trtllm_graph_keys(t.max_size // t.uniform_decode_query_len, k)
         print(f"graph keys (batch, draft_len): {len(keys)} (draft lengths "
               f"{sorted({d for _, d in keys}, reverse=True)}; one-engine speculation assumed)")
 
@@ -245,6 +247,12 @@ DEMO_FLAGS = (
     ("--bucket-policy", dict(choices=POLICIES + ("none",), help="decode graph buckets "
                              "(default: vllm on CUDA, none on CPU)")),
     ("--no-graphs", dict(action="store_true", help="run decode eagerly on CUDA too")),
+    ("--graph-capture", dict(choices=("eager", "lazy"), default="eager", help="eager: every "
+                             "bucket's graph at start-up (default); lazy: each bucket's graph "
+                             "right after its first step, which runs eagerly")),
+    ("--graph-memory-budget-mb", dict(type=float, help="lazy: MiB the decode graphs may hold "
+                                      "(shared pool + each graph); least recently used graphs "
+                                      "are evicted (default: no bound)")),
     ("--overlap", dict(action="store_true", help="overlapped engine: the host schedules and "
                        "stages step t+1 while the GPU runs step t (tokens read one step late)")),
     ("--out", dict(default="zos-demo-out", help="report directory, created if missing and "
@@ -287,9 +295,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nextn", type=nonneg_int, help="alias of --num-draft-tokens (DeepInfer name)")
     p.add_argument("--num-draft-tokens", type=nonneg_int, help="draft tokens per request "
                    "(k, q = 1 + k token rows per request; trtllm: the graph keys' draft length)")
-    p.add_argument("--spec-rounding", choices=SPEC_ROUNDINGS, help="vllm, k > 0: round sizes "
-                   "up to multiples of q (round_up, default, recent vLLM) or keep only multiples "
-                   "(filter)")
+    p.add_argument("--spec-rounding", choices=SPEC_ROUNDINGS, help="vllm, deepinfer, k > 0: "
+                   "round sizes up to multiples of q (round_up, default, vLLM v1), keep only "
+                   "multiples (filter), or keep the raw sizes (none: not uniform decode)")
     p.add_argument("--attn-tp-size", type=positive_int, help="sglang: attention TP size (1)")
     p.add_argument("--attn-cp-size", type=positive_int, help="sglang: attention CP size (1)")
     p.add_argument("--max-running-requests", type=positive_int, help="sglang: request-pool size")

@@ -22,6 +22,7 @@ import torch
 
 from zos.serving import trace as ztrace
 from zos.serving.engine import Engine, EngineConfig, Request
+from zos.serving.runner import check_graph_options
 
 CPU_DEFAULTS = dict(num_requests=16, scale=4, max_prompt=32, max_output=48, max_num_seqs=8,
                     bucket_policy="none")
@@ -49,12 +50,27 @@ def resolve_settings(args, cuda: bool) -> dict:
     s = {k: (v if getattr(args, k, None) is None else getattr(args, k)) for k, v in base.items()}
     s.update(trace=args.trace, start=args.start, block_size=args.block_size, seed=args.seed,
              num_kv_blocks=args.num_kv_blocks, graphs=cuda and not args.no_graphs,
-             weights=args.weights, tiny=bool(args.tiny), overlap=bool(args.overlap))
+             weights=args.weights, tiny=bool(args.tiny), overlap=bool(args.overlap),
+             graph_capture=getattr(args, "graph_capture", None) or "eager",
+             graph_memory_budget=_budget_bytes(getattr(args, "graph_memory_budget_mb", None)))
     for k in ("num_requests", "scale", "max_prompt", "max_output", "max_num_seqs", "block_size"):
         if s[k] < 1:
             raise ValueError(f"--{k.replace('_', '-')} must be >= 1, got {s[k]}")
+    try:
+        check_graph_options(s["graph_capture"], s["graph_memory_budget"])
+    except ValueError:
+        raise ValueError("--graph-memory-budget-mb: only with --graph-capture lazy") from None
     s["max_model_len"] = s["max_prompt"] + s["max_output"]
     return s
+
+
+def _budget_bytes(mb: float | None) -> int | None:
+    """``--graph-memory-budget-mb`` in bytes (None stays None); ValueError if below 0."""
+    if mb is None:
+        return None
+    if mb < 0:
+        raise ValueError(f"--graph-memory-budget-mb must be >= 0, got {mb}")
+    return int(mb * 2 ** 20)
 
 
 def check_out_dir(out: str) -> None:
@@ -142,7 +158,8 @@ def engine_config(s: dict, backend: str) -> EngineConfig:
     return EngineConfig(block_size=s["block_size"], num_kv_blocks=s["num_kv_blocks"],
                         max_num_seqs=s["max_num_seqs"], max_model_len=s["max_model_len"],
                         eos_token_id=None, backend=backend, use_cuda_graph=s["graphs"],
-                        bucket_policy=policy)
+                        bucket_policy=policy, graph_capture=s["graph_capture"],
+                        graph_memory_budget=s["graph_memory_budget"])
 
 
 def _bar(total: int, desc: str, quiet: bool):

@@ -21,7 +21,7 @@ from zos.host_backend import HostMetadataBackend
 from zos.serving.kv_blocks import BlockAllocator
 from zos.serving.models import allocate_kv_cache
 from zos.serving.readback import SampledReadback
-from zos.serving.runner import GraphRunner
+from zos.serving.runner import GraphRunner, check_graph_options
 from zos.serving.types import EngineConfig, Request, RunResult, StepRecord, make_buckets
 from zos.step import DecodeStep
 
@@ -57,6 +57,7 @@ class Engine:
                              f"max_position_embeddings {c.max_position_embeddings}")
         if cfg.backend not in ("zos", "host"):
             raise ValueError(f"backend: expected 'zos' or 'host', got {cfg.backend!r}")
+        check_graph_options(cfg.graph_capture, cfg.graph_memory_budget)
         buckets = make_buckets(cfg)  # before any allocation: it refuses unknown policies
         self.kv_caches = allocate_kv_cache(c.num_hidden_layers, cfg.num_kv_blocks, bs,
                                            c.num_key_value_heads, c.head_dim,
@@ -70,8 +71,10 @@ class Engine:
                         if cfg.backend == "zos" else
                         HostMetadataBackend(self.buffers, input_ids_from_device=overlap, **kw))
         self.runner = GraphRunner(model, self.kv_caches, self.backend,
-                                  use_cuda_graph=cfg.use_cuda_graph)
-        self.graphs_captured = self.runner.capture()
+                                  use_cuda_graph=cfg.use_cuda_graph,
+                                  graph_capture=cfg.graph_capture,
+                                  graph_memory_budget=cfg.graph_memory_budget)
+        self.runner.capture()
         self.allocator = BlockAllocator(cfg.num_kv_blocks)
         self.waiting: deque[Request] = deque()
         self.rows: list[Request | None] = []  # row layout of the last decode step; None = hole
@@ -182,8 +185,9 @@ class Engine:
         """Queue ``requests`` (by arrival, ties in given order) and step until all finish.
 
         Totals: requests, steps, prefill_steps, decode_steps, graph_decode_steps,
-        eager_decode_steps, tokens (generated), wall_s, tokens_per_s, graphs_captured,
-        preemptions, capture_s, metadata_us (sum over decode steps), upload_bytes (decode).
+        eager_decode_steps, tokens (generated), wall_s, tokens_per_s, graphs_captured (lazy:
+        re-captures included), graph_evictions, preemptions, capture_s (so far), metadata_us
+        (sum over decode steps), upload_bytes (decode).
         """
         reqs = sorted(requests, key=lambda r: r.arrival)
         self.add_requests(reqs)
@@ -196,7 +200,9 @@ class Engine:
                       decode_steps=len(dec), graph_decode_steps=sum(s.path == "graph" for s in dec),
                       eager_decode_steps=sum(s.path == "eager" for s in dec), tokens=tokens,
                       wall_s=wall, tokens_per_s=tokens / wall if wall > 0 else 0.0,
-                      graphs_captured=self.graphs_captured, preemptions=self.num_preemptions - pre0,
+                      graphs_captured=self.graphs_captured,
+                      graph_evictions=self.runner.cache.evictions if self.runner.cache else 0,
+                      preemptions=self.num_preemptions - pre0,
                       capture_s=self.runner.capture_seconds,
                       metadata_us=sum(s.metadata_us for s in dec),
                       upload_bytes=sum(s.upload_bytes for s in dec))
@@ -204,9 +210,14 @@ class Engine:
 
     # ---- internals -------------------------------------------------------------------------
 
-    def _record(self, kind, path, n, padded, us, nbytes, t0) -> StepRecord:
+    @property
+    def graphs_captured(self) -> int:
+        """Decode graphs captured so far (eager capture: one per bucket at construction)."""
+        return self.runner.num_captures
+
+    def _record(self, kind, path, n, padded, us, nbytes, t0, eager_reason=None) -> StepRecord:
         return StepRecord(self.num_steps, kind, path, n, padded, us, nbytes, self.num_preemptions,
-                          time.perf_counter() - t0)
+                          time.perf_counter() - t0, eager_reason)
 
     def _admit(self) -> list[Request]:
         """Waiting requests in order while a row, blocks for prompt + 1 and budget allow."""
@@ -332,7 +343,7 @@ class Engine:
         self.readback.push(self.buffers.sampled, list(rows))
         self._pending.append((set(), due))
         return self._record("decode", res.path, res.num_reqs, res.padded_size, res.prep_us,
-                            res.upload_bytes, t0)
+                            res.upload_bytes, t0, res.eager_reason)
 
     def _drain(self) -> None:
         """Append the tokens of the oldest pending decode step. A request that finished or was

@@ -43,7 +43,12 @@ def summarize(result, samples: list | None) -> dict:
     dec = [r for r in result.steps if r.kind == "decode"]
     us, counted = [r.metadata_us for r in dec], [r.upload_bytes for r in dec]
     h2d = [x["h2d_bytes"] for x in samples or []]
-    return dict(totals=dict(result.totals), metadata_us_median=_median(us),
+    reasons: dict[str, int] = {}
+    for r in dec:
+        if r.path == "eager":
+            key = getattr(r, "eager_reason", None) or "unknown"
+            reasons[key] = reasons.get(key, 0) + 1
+    return dict(totals=dict(result.totals), eager_reasons=reasons, metadata_us_median=_median(us),
                 metadata_us_mean=_mean(us), upload_bytes_median=_median(counted),
                 h2d_bytes_median=_median(h2d) if samples else None, h2d_samples=samples or [],
                 series=dict(step=[r.step for r in dec], num_reqs=[r.num_reqs for r in dec],
@@ -115,6 +120,8 @@ def build_report(s: dict, info: dict, slice_, runs: dict, profiled: dict, mismat
                    max_model_len=s["max_model_len"], block_size=s["block_size"],
                    num_kv_blocks=s["num_kv_blocks"], max_num_seqs=s["max_num_seqs"],
                    bucket_policy=s["bucket_policy"], graphs=s["graphs"], overlap=s["overlap"],
+                   graph_capture=s.get("graph_capture", "eager"),
+                   graph_memory_budget=s.get("graph_memory_budget"),
                    seed=s["seed"],
                    eos="ignored (outputs follow the trace's lengths)",
                    warm_up="2 short requests per backend, graphs off, before the timed runs"),
@@ -171,7 +178,10 @@ def table_rows(report: dict) -> list[tuple[str, str, str]]:
                  row("upload bytes / decode step, median (counted by the backend)",
                      lambda x: _fmt(x["upload_bytes_median"]))]
     rows += [row("graphs captured", tot("graphs_captured")),
-             row("eager decode steps", tot("eager_decode_steps")),
+             row("eager decode steps (why)", lambda x: _fmt(x["totals"]["eager_decode_steps"]) + (
+                 " (" + ", ".join(f"{k} {v}" for k, v in sorted(x["eager_reasons"].items()))
+                 + ")" if x["eager_reasons"] else "")),
+             row("graph evictions", tot("graph_evictions")),
              row("preemptions", tot("preemptions")), row("capture s", tot("capture_s", 2))]
     return rows
 

@@ -6,6 +6,11 @@ of B token rows, ``compute_logits``, greedy argmax, and the write of the sampled
 ``buffers.sampled`` for rows r < N, with N read from ``buffers.counts[0]`` on the device: dummy
 rows are never sampled, and no host value of N is frozen into the graph. A step with no graph
 (no bucket holds it, CPU, or graphs off) runs the same body eagerly.
+
+Graphs are captured up front (``graph_capture="eager"``: every bucket before the first step) or
+lazily (``"lazy"``): a bucketed step whose size has no graph yet runs eagerly, and that eager run
+is the size's warm-up; its graph is captured right after, for the next step of that size
+(``zos.graphs.GraphCache``: a memory budget and least-recently-used eviction).
 """
 from __future__ import annotations
 
@@ -18,8 +23,25 @@ import torch
 
 from zos.backend import MetadataBackend
 from zos.buffers import StepMetadata
-from zos.graphs import capture_per_bucket
+from zos.graphs import EVICTED, NOT_CAPTURED, CudaGraphCapturer, GraphCache, warm_up
 from zos.step import DecodeStep
+
+
+def check_graph_options(graph_capture: str, graph_memory_budget: int | None) -> None:
+    """ValueError unless graph_capture is "eager" or "lazy" and graph_memory_budget is None or
+    (lazy only) an int >= 0 (bytes); TypeError for a budget that is not an int."""
+    if graph_capture not in ("eager", "lazy"):
+        raise ValueError(f"graph_capture: expected 'eager' or 'lazy', got {graph_capture!r}")
+    if graph_memory_budget is None:
+        return
+    if isinstance(graph_memory_budget, bool) or not isinstance(graph_memory_budget, int):
+        raise TypeError(f"graph_memory_budget: expected an int (bytes) or None, got "
+                        f"{graph_memory_budget!r}")
+    if graph_memory_budget < 0:
+        raise ValueError(f"graph_memory_budget: must be >= 0, got {graph_memory_budget}")
+    if graph_capture != "lazy":
+        raise ValueError(f"graph_memory_budget: only with graph_capture='lazy', got "
+                         f"{graph_memory_budget} with {graph_capture!r}")
 
 
 @dataclass(frozen=True)
@@ -33,6 +55,12 @@ class DecodeResult:
         bucket: the bucket (token rows), or None when no bucket holds N * q.
         prep_us: host microseconds of metadata work: ``stage``, plus ``build`` when eager.
         upload_bytes: bytes the backend uploaded host-to-device for this step.
+        eager_reason: why an eager step had no graph, None on the graph path: "no bucket"
+            (N * q above the largest bucket), "graphs off" (no graph cache: graphs disabled,
+            no CUDA, or ``capture()`` not called), or the cache's ``zos.graphs`` reason:
+            "not captured yet", "evicted", "over budget".
+        capture_s: host seconds spent capturing this size's graph right after the step (lazy
+            capture), else 0.
     """
 
     path: str
@@ -41,6 +69,8 @@ class DecodeResult:
     bucket: int | None
     prep_us: float
     upload_bytes: int
+    eager_reason: str | None = None
+    capture_s: float = 0.0
 
 
 class GraphRunner:
@@ -54,14 +84,22 @@ class GraphRunner:
             (BucketTable or None). A DeviceMetadataBackend must be built with
             ``capture_prep=False``: its ``build`` is captured inside this runner's graphs.
         use_cuda_graph: capture graphs in ``capture()`` (only on CUDA, with buckets).
+        graph_capture: "eager" (every bucket in ``capture()``) or "lazy" (each bucket after its
+            first step, see the module docstring).
+        graph_memory_budget: lazy only: bytes the graph cache may hold (its shared pool plus
+            each graph's own memory, ``zos.graphs.GraphCache``), or None for no bound.
 
     Raises:
         ValueError: ``buffers.uniform_decode_query_len != 1`` (speculative decoding is not
-            implemented here), or a device backend that captured its own prep graphs.
+            implemented here), a device backend that captured its own prep graphs, an unknown
+            graph_capture, or a graph_memory_budget with eager capture or below 0.
+        TypeError: a graph_memory_budget that is not an int.
     """
 
     def __init__(self, model, kv_caches: Sequence[torch.Tensor], backend: MetadataBackend, *,
-                 use_cuda_graph: bool) -> None:
+                 use_cuda_graph: bool, graph_capture: str = "eager",
+                 graph_memory_budget: int | None = None) -> None:
+        check_graph_options(graph_capture, graph_memory_budget)
         self.model, self.kv_caches, self.backend = model, list(kv_caches), backend
         self.buffers = b = backend.buffers
         if b.uniform_decode_query_len != 1:
@@ -71,8 +109,9 @@ class GraphRunner:
             raise ValueError("the device backend must be built with capture_prep=False: its "
                              "build is captured inside this runner's graphs")
         self.use_cuda_graph = use_cuda_graph
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.capture_seconds = 0.0
+        self.graph_capture, self.graph_memory_budget = graph_capture, graph_memory_budget
+        self.cache: GraphCache | None = None  # made by capture()
+        self._up_front_seconds = 0.0
         self.graph_memory = {"allocated_bytes": 0, "reserved_bytes": 0}
         self._rows = torch.arange(b.max_num_reqs, dtype=torch.int32, device=b.device)
         self._nvtx = torch.cuda.is_available()
@@ -81,39 +120,65 @@ class GraphRunner:
     # ---- capture ---------------------------------------------------------------------------
 
     def capture(self) -> int:
-        """Capture one graph per bucket, largest first, sharing one memory pool.
+        """Make the graph cache and, with eager capture, capture one graph per bucket (largest
+        first, one shared memory pool).
 
-        No-op (returns 0) unless ``use_cuda_graph``, the buffers are on CUDA and the backend
-        has buckets. Must run before the first decode step: warm-up and capture execute the
-        body, which re-applies the staged record, so the record is reset to N = 0 (every row
-        a dummy row: no KV write, no sampled write). Records ``capture_seconds`` and
-        ``graph_memory`` (bytes of torch.cuda.memory_allocated/reserved added).
+        No-op (returns 0, no cache: every step eager) unless ``use_cuda_graph``, the buffers are
+        on CUDA and the backend has buckets. Must run before the first decode step. Eager
+        capture warms up and captures every bucket, which executes the body and re-applies the
+        staged record, so the record is reset to N = 0 first (every row a dummy row: no KV
+        write, no sampled write); it records ``capture_seconds`` and ``graph_memory`` (bytes of
+        torch.cuda.memory_allocated/reserved added). Lazy capture captures nothing here.
 
         Returns: the number of graphs captured.
 
         Raises:
-            RuntimeError: a decode step already ran on these buffers.
+            RuntimeError: a decode step already ran on these buffers, or capture() ran before.
         """
         b, buckets = self.buffers, self.backend.buckets
         if not (self.use_cuda_graph and b.device.type == "cuda" and buckets is not None):
             return 0
-        if self.backend.packer.prev_num_reqs or self.graphs:
-            raise RuntimeError("capture() must run before the first decode step")
+        if self.backend.packer.prev_num_reqs or self.cache is not None:
+            raise RuntimeError("capture() must run once, before the first decode step")
+        capturer = CudaGraphCapturer(self._body)
+        self.cache = GraphCache(capturer, budget_bytes=self.graph_memory_budget,
+                                release_pool=capturer.release_pool)
+        if self.graph_capture == "lazy":
+            return 0
         b.reset()  # N = 0: warm-up and capture write dummy rows only
         torch.cuda.synchronize()
         torch.cuda.empty_cache()  # torch.cuda.graph empties it too: a comparable baseline
         alloc0, res0 = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
         t0 = time.perf_counter()
-        self.graphs = capture_per_bucket(buckets.sizes, self._body)
-        self.capture_seconds = time.perf_counter() - t0
+        warm_up(buckets.sizes, self._body)
+        for s in sorted(buckets.sizes, reverse=True):
+            self.cache.capture(s)
+        self._up_front_seconds = time.perf_counter() - t0
         self.graph_memory = {"allocated_bytes": torch.cuda.memory_allocated() - alloc0,
                              "reserved_bytes": torch.cuda.memory_reserved() - res0}
-        return len(self.graphs)
+        return len(self.cache)
+
+    @property
+    def graphs(self) -> dict[int, torch.cuda.CUDAGraph]:
+        """``{padded size: graph}`` of the graphs held now (empty without a cache)."""
+        return self.cache.graphs if self.cache is not None else {}
 
     @property
     def num_graphs(self) -> int:
-        """Graphs captured (one per bucket), 0 before ``capture()`` or off CUDA."""
-        return len(self.graphs)
+        """Graphs held now (one per bucket after eager capture), 0 off CUDA."""
+        return len(self.cache) if self.cache is not None else 0
+
+    @property
+    def num_captures(self) -> int:
+        """Graphs captured so far (lazy: re-captures after eviction counted too)."""
+        return self.cache.captures if self.cache is not None else 0
+
+    @property
+    def capture_seconds(self) -> float:
+        """Host seconds spent capturing: eager, warm-up included; lazy, the captures so far."""
+        if self.cache is None:
+            return 0.0
+        return self._up_front_seconds or self.cache.capture_seconds
 
     # ---- decode ----------------------------------------------------------------------------
 
@@ -121,6 +186,9 @@ class GraphRunner:
         """Run one decode step; sampled tokens land in ``buffers.sampled[:N]`` (on the device).
 
         Rows [N, padded_size) are dummy rows: their ``sampled`` entries keep their old values.
+        The graph of the step's bucket is replayed if the cache holds it; otherwise the body runs
+        eagerly, and under lazy capture (reason "not captured yet" or "evicted") that size's
+        graph is captured right after, within the cache's budget (``DecodeResult.capture_s``).
 
         Raises:
             ValueError: an empty step (N = 0), or the packer's validation errors.
@@ -130,7 +198,7 @@ class GraphRunner:
         self._push("zos.prep")
         t0 = time.perf_counter()
         plan = self.backend.stage(step)
-        graph = self.graphs.get(plan.padded_size) if plan.bucketed else None
+        graph, reason = self._lookup(plan.padded_size, plan.bucketed)
         if graph is None:
             self.backend.build(plan.padded_size)
         prep_us = (time.perf_counter() - t0) * 1e6
@@ -141,9 +209,23 @@ class GraphRunner:
             self._pop()
         else:
             self._body(plan.padded_size, build=False, nvtx=True)
+        capture_s = 0.0
+        if reason in (NOT_CAPTURED, EVICTED):  # lazy: this eager run was the warm-up
+            t1 = time.perf_counter()
+            self.cache.capture(plan.padded_size)  # records only: live state is not touched
+            capture_s = time.perf_counter() - t1
         return DecodeResult("graph" if graph is not None else "eager", plan.num_reqs,
                             plan.padded_size, plan.padded_size if plan.bucketed else None,
-                            prep_us, int(self.backend.last_upload_bytes))
+                            prep_us, int(self.backend.last_upload_bytes), reason, capture_s)
+
+    def _lookup(self, padded_size: int, bucketed: bool):
+        """``(graph, None)``, or ``(None, reason)`` for an eager step (see DecodeResult)."""
+        if not bucketed:
+            return None, "no bucket"
+        if self.cache is None:
+            return None, "graphs off"
+        graph = self.cache.get(padded_size)
+        return graph, (None if graph is not None else self.cache.reason(padded_size))
 
     def _body(self, padded_size: int, build: bool = True, nvtx: bool = False) -> None:
         """Build (if asked), forward, sample for ``padded_size`` token rows; what a graph

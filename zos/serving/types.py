@@ -37,7 +37,11 @@ class EngineConfig:
     ``bucket_policy``: a name in ``zos.buckets.POLICIES`` ("vllm", "deepinfer", "sglang",
     "trtllm"), built for max_num_seqs requests with max_num_seqs itself a bucket (see
     ``make_buckets``), or None (no graphs); ``buckets`` (sizes or a BucketTable, token rows,
-    taken as given) overrides it."""
+    taken as given) overrides it. ``graph_capture``: "eager" (every bucket's graph captured at
+    start-up) or "lazy" (each captured right after the first step of its size, which runs
+    eagerly); ``graph_memory_budget``: lazy only, bytes the graph cache may hold (its pool plus
+    each graph's own memory; least recently used graphs evicted), None for no bound
+    (``zos.serving.runner.GraphRunner``, ``zos.graphs.GraphCache``)."""
 
     block_size: int = 16
     num_kv_blocks: int = 1024
@@ -49,6 +53,8 @@ class EngineConfig:
     use_cuda_graph: bool = True
     bucket_policy: str | None = "vllm"
     buckets: BucketTable | Sequence[int] | None = None
+    graph_capture: str = "eager"
+    graph_memory_budget: int | None = None
 
 
 @dataclass(frozen=True)
@@ -56,7 +62,9 @@ class StepRecord:
     """One model run of engine step ``step``: ``kind`` "prefill"/"decode", ``path``
     "graph"/"eager", ``num_reqs``, ``padded_size`` (token rows run; prefill: packed tokens),
     ``metadata_us`` (host us of metadata work), ``upload_bytes`` (H2D metadata bytes),
-    ``preemptions`` (engine total so far), ``seconds`` (host wall time of the run)."""
+    ``preemptions`` (engine total so far), ``seconds`` (host wall time of the run; a lazy
+    capture after the step included), ``eager_reason`` (decode on the eager path: why it had no
+    graph, ``DecodeResult.eager_reason``; None otherwise)."""
 
     step: int
     kind: str
@@ -67,6 +75,7 @@ class StepRecord:
     upload_bytes: int
     preemptions: int
     seconds: float
+    eager_reason: str | None = None
 
 
 @dataclass
@@ -78,21 +87,33 @@ class RunResult:
     totals: dict[str, float]
 
 
-def make_buckets(cfg: EngineConfig) -> BucketTable | None:
-    """The decode bucket table of ``cfg`` (token rows; the engine runs plain decode, q = 1), or
-    None for no graphs.
+def make_buckets(cfg: EngineConfig, num_draft_tokens: int = 0) -> BucketTable | None:
+    """The decode bucket table of ``cfg`` (token rows, q = 1 + ``num_draft_tokens`` per request;
+    plain decode: k = 0), or None for no graphs.
 
-    ``cfg.buckets`` (sizes or a BucketTable) is taken as given. Otherwise ``cfg.bucket_policy``
-    names a ``zos.buckets.POLICIES`` entry, built with its largest size (``Policy.max_keyword``:
-    max_capture_size, max_num_seqs, max_bs or max_batch_size; at q = 1 all count max_num_seqs)
-    set to ``cfg.max_num_seqs``, then ``BucketTable.with_max(max_num_seqs)``: a full batch has a
-    graph under every policy and for every max_num_seqs (vLLM itself caps at its grid: 12 gives
-    1, 2, 4, 8 there, 1, 2, 4, 8, 12 here). ValueError for an unknown policy name."""
+    ``cfg.buckets`` is taken as given (a BucketTable, or sizes made into one with
+    ``uniform_decode_query_len`` q). Otherwise ``cfg.bucket_policy`` names a
+    ``zos.buckets.POLICIES`` entry, built with k draft tokens and its largest size
+    (``Policy.max_keyword``) for ``cfg.max_num_seqs`` requests: max_num_seqs where the keyword
+    counts requests (max_num_seqs, max_bs, max_batch_size), ``max_num_seqs * q`` where it counts
+    token rows (vLLM's max_capture_size); then ``BucketTable.with_max(max_num_seqs * q)``: a full
+    batch has a graph under every policy, for every max_num_seqs and k (vLLM itself caps at its
+    grid: 12 gives 1, 2, 4, 8 there, 1, 2, 4, 8, 12 here). Every policy's table is uniform
+    decode (sizes multiples of q; ``zos.buckets``). ValueError for an unknown policy name;
+    TypeError/ValueError for a num_draft_tokens that is not an int >= 0."""
+    if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int):
+        raise TypeError(f"num_draft_tokens: expected an int, got {num_draft_tokens!r}")
+    if num_draft_tokens < 0:
+        raise ValueError(f"num_draft_tokens: must be >= 0, got {num_draft_tokens}")
+    q = 1 + num_draft_tokens
     if cfg.buckets is not None or cfg.bucket_policy is None:
         b = cfg.buckets
-        return b if b is None or isinstance(b, BucketTable) else BucketTable(b)
+        return b if b is None or isinstance(b, BucketTable) else BucketTable(
+            b, uniform_decode_query_len=q)
     policy = POLICIES.get(cfg.bucket_policy) if isinstance(cfg.bucket_policy, str) else None
     if policy is None:
         raise ValueError(f"bucket_policy: unknown {cfg.bucket_policy!r}; expected one of "
                          f"{list(POLICIES)} or None")
-    return policy.build(cfg.max_num_seqs).with_max(cfg.max_num_seqs)
+    top = cfg.max_num_seqs * q
+    value = cfg.max_num_seqs if policy.max_unit == "requests" else top
+    return policy.build(value, num_draft_tokens=num_draft_tokens).with_max(top)
