@@ -161,3 +161,33 @@ def test_min_padded_size_refused_before_any_write(bad, exc):
     for n, t in before.items():
         assert torch.equal(getattr(b, n), t), n
     assert be.packer.prev_num_reqs == 1
+
+
+# --- the command: zos demo --dp 2 spawns its ranks ------------------------------------------
+
+def test_demo_dp2_spawned(tmp_path, capfd):
+    from zos.serving.cli import main
+
+    out = tmp_path / "report"
+    assert main(["demo", "--dp", "2", "--tiny", "--num-requests", "3", "--quiet",
+                 "--out", str(out)]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["mode"] == "dp2" and report["identical"] is True
+    for b in W.BACKENDS:
+        t = report["backends"][b]
+        assert len(t["decode_steps"]) == WORLD and t["tokens"] > 0
+        # lockstep: every rank ran the same number of steps (own decodes plus dummy steps)
+        assert len({d + u for d, u in zip(t["decode_steps"], t["dummy_steps"])}) == 1
+    assert "identical tokens (host vs zos): YES" in capfd.readouterr().out
+
+
+@pytest.mark.parametrize("argv, msg", [
+    (["--tp", "2", "--dp", "2"], "--tp 2 --dp 2: one kind of parallelism at a time"),
+    (["--tp", "0"], "--tp: expected an int >= 1, got '0'"),
+])
+def test_demo_parallel_flags_refused(tmp_path, capsys, argv, msg):
+    from zos.serving.cli import main
+
+    assert main(["demo", "--tiny", "--out", str(tmp_path), *argv]) == 2
+    cap = capsys.readouterr()
+    assert msg in cap.err and cap.out == ""
