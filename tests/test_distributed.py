@@ -188,6 +188,10 @@ def test_demo_dp2_spawned(tmp_path, capfd):
 def test_demo_parallel_flags_refused(tmp_path, capsys, argv, msg):
     from zos.serving.cli import main
 
-    assert main(["demo", "--tiny", "--out", str(tmp_path), *argv]) == 2
+    try:
+        rc = main(["demo", "--tiny", "--out", str(tmp_path), *argv])
+    except SystemExit as e:  # argparse's own errors
+        rc = e.code
+    assert rc == 2
     cap = capsys.readouterr()
     assert msg in cap.err and cap.out == ""
