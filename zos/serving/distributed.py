@@ -80,6 +80,9 @@ def init_distributed(*, rank: int | None = None, world_size: int | None = None,
     if cuda and not torch.cuda.is_available():
         raise ValueError("device 'cuda' asked for, but no GPU is visible")
     backend = "nccl" if cuda else "gloo"
+    if cuda:  # the GPU first: NCCL's communicator is made on the current device
+        local = os.environ.get("LOCAL_RANK", rank if rank is not None else os.environ["RANK"])
+        torch.cuda.set_device(int(local))
     if not dist.is_initialized():
         kw = dict(backend=backend, timeout=timedelta(seconds=timeout_s),
                   init_method=init_method or "env://")
@@ -87,10 +90,7 @@ def init_distributed(*, rank: int | None = None, world_size: int | None = None,
             kw.update(rank=rank, world_size=world_size)
         dist.init_process_group(**kw)
     rank, world = dist.get_rank(), dist.get_world_size()
-    dev = torch.device("cpu")
-    if cuda:
-        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
-        torch.cuda.set_device(dev)
+    dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     cpu_group = dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
     return DistContext(rank, world, dev, backend, cpu_group)
 
