@@ -71,13 +71,13 @@ def tp_worker(rank: int, world: int, init: str, out: str, seed: int, overlap: bo
     dist.destroy_process_group()
 
 
-def dp_worker(rank: int, world: int, init: str, out: str) -> None:
+def dp_worker(rank: int, world: int, init: str, out: str, overlap: bool) -> None:
     """DP over ``world`` ranks (each its own requests), both backends in turn."""
     ctx = _start(rank, world, init)
     model = random_llama(LLAMA_CFG, seed=0)
     data = {}
     for backend in BACKENDS:
-        engine = Engine(model, engine_config(backend), "cpu")
+        engine = Engine(model, engine_config(backend), "cpu", overlap=overlap)
         outputs, stats = dp_generate(engine, dp_requests(rank), ctx)
         data[backend] = dict(outputs=outputs, local=stats.local, agreed=stats.agreed,
                              dummy=stats.dummy,

@@ -48,9 +48,9 @@ def tp_runs(request, tmp_path_factory):
     return spawn(W.tp_worker, (11, request.param), tmp_path_factory.mktemp("tp"))
 
 
-@pytest.fixture(scope="module")
-def dp_runs(tmp_path_factory):
-    return spawn(W.dp_worker, (), tmp_path_factory.mktemp("dp"))
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "overlap"])
+def dp_runs(request, tmp_path_factory):
+    return spawn(W.dp_worker, (request.param,), tmp_path_factory.mktemp("dp"))
 
 
 @pytest.mark.parametrize("backend", W.BACKENDS)
@@ -195,3 +195,33 @@ def test_demo_parallel_flags_refused(tmp_path, capsys, argv, msg):
     assert rc == 2
     cap = capsys.readouterr()
     assert msg in cap.err and cap.out == ""
+
+
+@pytest.mark.parametrize("kind", ["zos", "host"])
+@pytest.mark.parametrize("padded", [3, 4, 5])
+def test_runner_dummy_step_writes_no_kv_and_samples_nothing(llama, kind, padded):
+    """GraphRunner.decode with N = 0: refused without min_padded_size; with it every row is a
+    dummy row, the KV caches and ``sampled`` are untouched, and the next step's rows are new."""
+    from zos.serving.models import allocate_kv_cache
+    from zos.serving.runner import GraphRunner
+
+    bufs = DecodeBuffers(6, 4, 4, device=DEVICE)
+    kw = dict(num_kv_blocks=12, vocab_size=LLAMA_CFG.vocab_size, buckets=BucketTable([2, 4]))
+    backend = DeviceMetadataBackend(bufs, **kw) if kind == "zos" else HostMetadataBackend(
+        bufs, **kw)
+    c = LLAMA_CFG
+    caches = allocate_kv_cache(c.num_hidden_layers, 12, 4, c.num_key_value_heads, c.head_dim,
+                               torch.float32, DEVICE)
+    runner = GraphRunner(llama, caches, backend, use_cuda_graph=False)
+    runner.decode(DecodeStep.build([4, 9], {0: (5, 0, [1]), 1: (6, 3, [2])}))
+    with pytest.raises(ValueError, match="empty step"):
+        runner.decode(DecodeStep.build([]))
+    kv, sampled = [t.clone() for t in caches], bufs.sampled.clone()
+    res = runner.decode(DecodeStep.build([]), min_padded_size=padded)
+    assert (res.num_reqs, res.padded_size, res.bucket) == (0, padded, 4 if padded == 4 else None)
+    assert bufs.slot_mapping[:padded].tolist() == [-1] * padded
+    assert bufs.counts.tolist() == [0, 0]
+    assert torch.equal(bufs.sampled, sampled)
+    assert all(torch.equal(a, b) for a, b in zip(caches, kv))
+    with pytest.raises(ValueError):  # request 4 was dropped: it must come back with payload
+        runner.decode(DecodeStep.build([4]))
