@@ -41,9 +41,9 @@ def dp_requests(rank: int) -> list[Request]:
 
 
 def _start(rank: int, world: int, init: str):
+    """gloo on a CPU; NCCL with one GPU per rank where CUDA is (the test needs 2 GPUs then)."""
     torch.set_num_threads(1)  # two ranks share the CPU cores
-    return init_distributed(rank=rank, world_size=world, init_method=init, device="cpu",
-                            timeout_s=600)
+    return init_distributed(rank=rank, world_size=world, init_method=init, timeout_s=600)
 
 
 def _write(out: str, rank: int, data: dict) -> None:
@@ -54,11 +54,11 @@ def _write(out: str, rank: int, data: dict) -> None:
 def tp_worker(rank: int, world: int, init: str, out: str, seed: int, overlap: bool) -> None:
     """TP over ``world`` ranks, both backends in turn, metadata checked every decode step."""
     ctx = _start(rank, world, init)
-    full = random_llama(LLAMA_CFG, seed=0)
-    model = tp_llama(full.state_dict(), LLAMA_CFG, rank, world)
+    full = random_llama(LLAMA_CFG, seed=0, device=ctx.device)
+    model = tp_llama(full.state_dict(), LLAMA_CFG, rank, world, device=ctx.device)
     data = {}
     for backend in BACKENDS:
-        engine = Engine(model, engine_config(backend), "cpu", overlap=overlap)
+        engine = Engine(model, engine_config(backend), ctx.device, overlap=overlap)
         result, extra = tp_generate(engine, make_requests(seed, 6, 12), ctx,
                                     check_metadata=True)
         if rank == 0:
@@ -74,10 +74,10 @@ def tp_worker(rank: int, world: int, init: str, out: str, seed: int, overlap: bo
 def dp_worker(rank: int, world: int, init: str, out: str, overlap: bool) -> None:
     """DP over ``world`` ranks (each its own requests), both backends in turn."""
     ctx = _start(rank, world, init)
-    model = random_llama(LLAMA_CFG, seed=0)
+    model = random_llama(LLAMA_CFG, seed=0, device=ctx.device)
     data = {}
     for backend in BACKENDS:
-        engine = Engine(model, engine_config(backend), "cpu", overlap=overlap)
+        engine = Engine(model, engine_config(backend), ctx.device, overlap=overlap)
         outputs, stats = dp_generate(engine, dp_requests(rank), ctx)
         data[backend] = dict(outputs=outputs, local=stats.local, agreed=stats.agreed,
                              dummy=stats.dummy,
