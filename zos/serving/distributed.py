@@ -202,7 +202,12 @@ class DPStats:
 
 class DPRunner:
     """A DP rank's runner: each decode agrees on the padded size first (see the module
-    docstring); other attributes are the wrapped GraphRunner's. ``stats`` records each step."""
+    docstring); other attributes are the wrapped GraphRunner's. ``stats`` records each step.
+
+    Every rank's engine must have the same ``max_num_seqs`` and bucket table (the agreed size
+    is one of the ranks' own; a size past another rank's buffers raises ValueError there, from
+    ``MetadataBackend.stage``), and every rank must make the same number of calls to
+    :meth:`decode` plus :meth:`idle_step` (one per engine step: :func:`dp_generate`)."""
 
     def __init__(self, runner, ctx: DistContext) -> None:
         self.runner, self.ctx, self.stats = runner, ctx, DPStats()
