@@ -87,33 +87,65 @@ class MetadataBackend:
         self.buffers.reset()
         self.buffers.owner = self
 
-    def plan(self, num_reqs: int) -> StepPlan:
+    def plan(self, num_reqs: int, min_padded_size: int = 0) -> StepPlan:
         """Bucket choice for ``num_reqs`` request rows (docs/ZOS.md: rounding is monotone).
-        Memoised: the per-step cost is one dict lookup."""
+        Memoised: the per-step cost is one dict lookup.
+
+        ``min_padded_size`` (token rows, default 0): the step runs with at least this many
+        rows; a larger size than the bucket of ``num_reqs`` pads the step further with dummy
+        rows (data parallelism: every rank runs the largest padded size of the ranks, as vLLM
+        and SGLang pad DP ranks). The plan is ``bucketed`` when that size is itself a bucket.
+        Callers check it (``stage`` does): here it is assumed valid.
+        """
         plan = self._plans.get(num_reqs)
         if plan is None:
             t = num_reqs * self.buffers.uniform_decode_query_len
             b = self.buckets.padded_size(t) if self.buckets is not None and t > 0 else None
             plan = self._plans[num_reqs] = StepPlan(num_reqs, t, b if b is not None else t,
                                                     b is not None)
+        if min_padded_size > plan.padded_size:
+            b = self.buckets
+            plan = StepPlan(num_reqs, plan.num_tokens, min_padded_size,
+                            b is not None and b.padded_size(min_padded_size) == min_padded_size)
         return plan
 
-    def stage(self, step: DecodeStep) -> StepPlan:
+    def check_min_padded_size(self, min_padded_size) -> None:
+        """ValueError/TypeError unless ``min_padded_size`` is an int in
+        [0, max_num_reqs * q] divisible by q (the rows the buffers hold)."""
+        q = self.buffers.uniform_decode_query_len
+        top = self.buffers.max_num_reqs * q
+        if not isinstance(min_padded_size, int) or isinstance(min_padded_size, bool):
+            raise TypeError(f"min_padded_size must be an int, got "
+                            f"{type(min_padded_size).__name__}")
+        if not 0 <= min_padded_size <= top or min_padded_size % q:
+            raise ValueError(f"min_padded_size must be a multiple of uniform_decode_query_len="
+                             f"{q} in [0, {top}], got {min_padded_size}")
+
+    def stage(self, step: DecodeStep, *, min_padded_size: int = 0) -> StepPlan:
         """Host work of one step, outside any graph: validate and pack ``step`` (C++) and
         enqueue its upload; returns the step's sizes.
 
+        ``min_padded_size`` (token rows, default 0): pad the step to at least this many rows
+        (see :meth:`plan`); with it a step of N = 0 request rows is a dummy step of
+        ``min_padded_size`` dummy rows (a data-parallel rank with no requests; every earlier
+        row is dropped, so the next step's rows are all new).
+
         Raises:
-            ValueError, TypeError: bad input (field, row, request and value named); nothing
-                was written to the device and the previous step is still the reference.
+            ValueError, TypeError: bad input (field, row, request and value named), or a
+                ``min_padded_size`` that is not an int in [0, max_num_reqs * q] divisible by q;
+                nothing was written to the device and the previous step is still the
+                reference.
             RuntimeError: another backend has taken these buffers over since this one was built.
         """
         if self.buffers.owner is not self:
             raise RuntimeError(f"{type(self).__name__}: another backend "
                                f"({type(self.buffers.owner).__name__}) has taken these buffers "
                                f"over; build a new backend to use them again")
-        return self._stage(step)
+        if type(min_padded_size) is not int or min_padded_size:  # 0: the plain step
+            self.check_min_padded_size(min_padded_size)
+        return self._stage(step, min_padded_size)
 
-    def _stage(self, step: DecodeStep) -> StepPlan:
+    def _stage(self, step: DecodeStep, min_padded_size: int = 0) -> StepPlan:
         raise NotImplementedError
 
     def build(self, padded_size: int) -> None:

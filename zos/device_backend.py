@@ -124,7 +124,7 @@ class DeviceMetadataBackend(MetadataBackend):
         self._stream = stream
         self._stream_handle = stream.cuda_stream if stream is not None else 0
 
-    def _stage(self, step: DecodeStep) -> StepPlan:
+    def _stage(self, step: DecodeStep, min_padded_size: int = 0) -> StepPlan:
         """Pack ``step`` and enqueue its one H2D copy into ``buffers.staging``.
 
         On CUDA the copy is issued natively (:class:`zos._C.PinnedUpload`) on
@@ -148,7 +148,7 @@ class DeviceMetadataBackend(MetadataBackend):
         else:
             self.buffers.staging[:words].copy_(self._pinned[0][:words])
         self.last_upload_bytes = 4 * words
-        return self.plan(step.num_reqs)
+        return self.plan(step.num_reqs, min_padded_size)
 
     @property
     def captures_prep(self) -> bool:

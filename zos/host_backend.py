@@ -166,7 +166,7 @@ class HostMetadataBackend(MetadataBackend):
         self._np.update(sampled=self._sampled.numpy(), bt_compact=self._bt_compact.numpy())
         self._take_over()
 
-    def _stage(self, step: DecodeStep) -> StepPlan:
+    def _stage(self, step: DecodeStep, min_padded_size: int = 0) -> StepPlan:
         """Pack, rebuild on the host and enqueue the copies of rows [0, bucket)."""
         b, h = self.buffers, self._h
         if self._fence is not None:
@@ -175,7 +175,7 @@ class HostMetadataBackend(MetadataBackend):
         self.packer.pack(step.req_ids, step.new_rows, step.new_tokens, step.new_positions,
                          step.new_block_indptr, step.new_block_ids, step.append_rows,
                          step.append_block_ids, self._record)
-        plan = self.plan(step.num_reqs)
+        plan = self.plan(step.num_reqs, min_padded_size)
         if prev and not self.input_ids_from_device:
             self._sampled[:prev].copy_(b.sampled[:prev])  # synchronous read-back
         t, r = plan.padded_size, plan.padded_size // b.uniform_decode_query_len

@@ -260,12 +260,19 @@ DEMO_FLAGS = (
     ("--seed", dict(type=int, default=0, help="prompt windows and random weights (default 0)")),
     ("--quiet", dict(action="store_true", help="no progress bars or sample texts")),
     ("--tiny", dict(action="store_true", help=argparse.SUPPRESS)),  # small random Llama, tests
+    ("--tp", dict(type=positive_int, default=1, help="tensor parallelism over this many "
+                  "processes (GPUs): under torchrun --nproc-per-node P, or spawned here")),
+    ("--dp", dict(type=positive_int, default=1, help="data parallelism over this many "
+                  "processes (GPUs), one padded size agreed per step")),
 )
 
 
 def _cmd_demo(args) -> int:
     """``zos demo``: see ``zos.serving.demo``. Exit 1 if the backends' tokens differ."""
-    from zos.serving.demo import run_demo
+    if args.tp > 1 or args.dp > 1:
+        from zos.serving.dist_demo import run_dist_demo as run_demo
+    else:
+        from zos.serving.demo import run_demo
 
     report = run_demo(args)
     if not report["identical"]:

@@ -182,22 +182,27 @@ class GraphRunner:
 
     # ---- decode ----------------------------------------------------------------------------
 
-    def decode(self, step: DecodeStep) -> DecodeResult:
+    def decode(self, step: DecodeStep, *, min_padded_size: int = 0) -> DecodeResult:
         """Run one decode step; sampled tokens land in ``buffers.sampled[:N]`` (on the device).
 
         Rows [N, padded_size) are dummy rows: their ``sampled`` entries keep their old values.
         The graph of the step's bucket is replayed if the cache holds it; otherwise the body runs
         eagerly, and under lazy capture (reason "not captured yet" or "evicted") that size's
         graph is captured right after, within the cache's budget (``DecodeResult.capture_s``).
+        ``min_padded_size`` (token rows, default 0) pads the step to at least that many rows
+        (``MetadataBackend.stage``): data-parallel ranks run the padded size they agreed on.
+        With it, N = 0 is a dummy step: ``min_padded_size`` dummy rows through the same graph
+        or eager body, no KV written, nothing sampled, and every earlier row dropped.
 
         Raises:
-            ValueError: an empty step (N = 0), or the packer's validation errors.
+            ValueError: an empty step (N = 0) without ``min_padded_size``, or the packer's and
+                ``stage``'s validation errors.
         """
-        if step.num_reqs == 0:
-            raise ValueError("decode: empty step (no request rows)")
+        if step.num_reqs == 0 and not min_padded_size:
+            raise ValueError("decode: empty step (no request rows) and no min_padded_size")
         self._push("zos.prep")
         t0 = time.perf_counter()
-        plan = self.backend.stage(step)
+        plan = self.backend.stage(step, min_padded_size=min_padded_size)
         graph, reason = self._lookup(plan.padded_size, plan.bucketed)
         if graph is None:
             self.backend.build(plan.padded_size)

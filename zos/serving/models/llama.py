@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed
 import torch.nn.functional as F
 from torch import nn
 
@@ -96,7 +97,14 @@ def _linear(n_out: int, n_in: int, dtype, device) -> nn.Parameter:
 
 
 class LlamaLayer(nn.Module):
-    """One decoder layer: pre-norm GQA attention over the paged cache, pre-norm SwiGLU MLP."""
+    """One decoder layer: pre-norm GQA attention over the paged cache, pre-norm SwiGLU MLP.
+
+    ``tp_group``: None (one process), or the ``torch.distributed`` process group of a
+    tensor-parallel shard (:mod:`.parallel`): the outputs of ``o_proj`` and ``down_proj``
+    (row-parallel, partial sums) are all-reduced (sum) over it in place, Megatron-LM's rule.
+    """
+
+    tp_group = None
 
     def __init__(self, c: LlamaConfig, dtype, device):
         super().__init__()
@@ -134,10 +142,16 @@ class LlamaLayer(nn.Module):
         q = rope_and_store_kv(qkv, cos, sin, kv_cache, meta.slot_mapping, hq, hkv, hd)
         attn = prefill_attention if is_prefill else decode_attention
         o = attn(q, kv_cache, meta, hd ** -0.5)
-        h, residual = self.post_attention_layernorm(F.linear(o.reshape(t, hq * hd), self.o_proj),
-                                                    residual)
+        h, residual = self.post_attention_layernorm(
+            self._reduce(F.linear(o.reshape(t, hq * hd), self.o_proj)), residual)
         gate_up = F.linear(h, self.gate_up_proj)
-        return F.linear(silu_and_mul(gate_up), self.down_proj), residual
+        return self._reduce(F.linear(silu_and_mul(gate_up), self.down_proj)), residual
+
+    def _reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """x itself in one process; under tensor parallelism x summed over ``tp_group``."""
+        if self.tp_group is not None:
+            torch.distributed.all_reduce(x, group=self.tp_group)
+        return x
 
 
 class LlamaForCausalLM(nn.Module):
