@@ -69,7 +69,7 @@ class StepRecorder:
 
     def __init__(self, cls, profile_from: int, profile_steps: int, zos: bool):
         self.cls, self.original = cls, cls.prepare_batch_tensors
-        self.host_s, self.profiled = [], []
+        self.host_s, self.profiled, self.profile_errors = [], [], []
         self.decode_steps = 0
         recorder = self
 
@@ -80,8 +80,15 @@ class StepRecorder:
             profile = decode and profile_from <= k < profile_from + profile_steps
             if profile:
                 _sync()
-                act = profile_device(lambda: recorder.original(io, *args, **kwargs))
-                recorder.profiled.append(act)
+                ran = []
+                try:
+                    act = profile_device(
+                        lambda: ran.append(recorder.original(io, *args, **kwargs)))
+                    recorder.profiled.append(act)
+                except RuntimeError as e:  # the profiler failed: the step itself must still run
+                    recorder.profile_errors.append(repr(e))
+                    if not ran:
+                        recorder.original(io, *args, **kwargs)
             else:
                 t0 = time.perf_counter()
                 recorder.original(io, *args, **kwargs)
@@ -106,7 +113,7 @@ class StepRecorder:
                     metadata_host_us_median=med(us), metadata_host_us_p90=p90,
                     h2d_bytes_per_decode_step=med([a.h2d_bytes for a in self.profiled]),
                     h2d_copies_per_decode_step=med([a.h2d_copies for a in self.profiled]),
-                    profiled_steps=len(self.profiled))
+                    profiled_steps=len(self.profiled), profile_errors=self.profile_errors)
 
 
 def run(model, inputs, args, n: int, zos: bool) -> tuple[dict, list]:

@@ -224,3 +224,21 @@ def test_cuda_bf16_smollm2_shape_matches_transformers():
     ours, timings = run_generate_batch(model, inputs, 24, zos=True, **kw)
     assert ours == theirs
     assert [p for p, _ in timings].count("zos") > 10
+
+
+def test_readme_example_runs_as_printed():
+    """The README block fenced ```python transformers runs as it stands and prints the ```text
+    block that follows it."""
+    import contextlib
+    import io
+    import pathlib
+    import re
+
+    readme = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
+    (code,) = re.findall(r"^```python transformers\n(.*?)^```$", readme, flags=re.M | re.S)
+    expected = re.findall(r"^```text\n(.*?)^```$", readme[readme.index(code) + len(code):],
+                          flags=re.M | re.S)[0]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(code, "README.md (python transformers)", "exec"), {"__name__": "readme"})
+    assert out.getvalue() == expected
