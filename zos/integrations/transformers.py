@@ -207,37 +207,54 @@ def _make_zos_ios_class():
             self._zos_reset_rows()
 
         def _zos_step(self, requests):
-            """The DecodeStep of a decode-only batch and the rows' bookkeeping, or None."""
+            """The DecodeStep of a decode-only batch and its rows' record, or None (then the
+            batch is not decode-only, or does not fit zos's buffers: transformers' path).
+
+            One pass over the requests, no per-row validation here (the packer validates the
+            whole step in C++ before anything is written), arrays built once per field."""
             n = len(requests)
             if n == 0 or n > self.zos_buffers.max_num_reqs:
                 return None
             bs = self.cache.block_size
             max_pos = self.zos_buffers.max_num_blocks_per_req * bs
             tables = self.cache.group_cache_managers[0].block_table
-            req_ids = np.empty(n, np.int64)
-            new, appends, rows = {}, [], {}
+            prev_get = self._zos_prev.get
+            ids, rows = [], {}
+            new_rows, new_tokens, new_positions, indptr, flat = [], [], [], [0], []
+            app_rows, app_blocks = [], []
             next_id = self._zos_next_id
             for i, fs in enumerate(requests):
                 st = fs.state
-                pos = st.position_offset
-                if fs.query_length != 1 or not fs.has_new_token or pos + 1 > max_pos:
-                    return None
-                blocks = tables.get(st.request_id)
+                rid, pos = st.request_id, st.position_offset
+                blocks = tables.get(rid)
                 need = pos // bs + 1
-                if blocks is None or len(blocks) < need:
+                if (fs.query_length != 1 or not fs.has_new_token or pos >= max_pos
+                        or blocks is None or len(blocks) < need):
                     return None
-                prev = self._zos_prev.get(st.request_id)
+                prev = prev_get(rid)
                 if (prev is not None and prev[0] is st and prev[1] == pos - 1
                         and blocks[prev[3] - 1] == prev[4]):
                     zid = prev[2]
-                    appends.extend((i, blocks[c]) for c in range(prev[3], need))
+                    for c in range(prev[3], need):  # a block crossed since the last step
+                        app_rows.append(i)
+                        app_blocks.append(blocks[c])
                 else:
-                    zid, next_id = next_id, next_id + 1
-                    new[i] = (st.tokens_to_process[0], pos, blocks[:need])
-                req_ids[i] = zid
-                rows[st.request_id] = (st, pos, zid, need, blocks[need - 1])
+                    zid = next_id
+                    next_id += 1
+                    new_rows.append(i)
+                    new_tokens.append(st.tokens_to_process[0])
+                    new_positions.append(pos)
+                    flat.extend(blocks[:need])
+                    indptr.append(len(flat))
+                ids.append(zid)
+                rows[rid] = (st, pos, zid, need, blocks[need - 1])
             self._zos_next_id = next_id
-            return DecodeStep.build(req_ids, new, appends), rows
+            i32 = np.int32
+            step = DecodeStep(np.array(ids, np.int64), np.array(new_rows, i32),
+                              np.array(new_tokens, i32), np.array(new_positions, i32),
+                              np.array(indptr, i32), np.array(flat, i32),
+                              np.array(app_rows, i32), np.array(app_blocks, i32))
+            return step, rows
 
         def prepare_batch_tensors(self, requests_in_batch, logits_processors,
                                   use_decode_fast_path, num_q_tokens, max_kv_read,
@@ -274,15 +291,16 @@ def _make_zos_ios_class():
             self.num_q_tokens, self.max_kv_read, self.num_request_in_batch = n, 0, n
             self.use_block_table, self.max_seqlen_q, self.total_seqlen_q = False, 1, n
             self.requests_in_batch = list(requests)
-            self.req_id_to_new_token_position = {}
+            positions = self.req_id_to_new_token_position = {}
             for i, fs in enumerate(requests):
                 st = fs.state
                 st.position_offset += 1
                 st.tokens_to_process = [TMP_TOKEN_ID]
-                self.req_id_to_new_token_position[st.request_id] = i
-            logits_processors.prepare_tensor_args(
-                requests_in_batch=requests,
-                arg_storage=self._bulk_input_tensor[self.static_inputs:])
+                positions[st.request_id] = i
+            if logits_processors.tensors_required:
+                logits_processors.prepare_tensor_args(
+                    requests_in_batch=requests,
+                    arg_storage=self._bulk_input_tensor[self.static_inputs:])
 
         def get_model_kwargs(self, use_padding: bool = False):
             md = self._zos_md
