@@ -29,7 +29,12 @@ from transformers import (  # noqa: E402
 )
 from transformers.generation.continuous_batching import offloading_manager  # noqa: E402
 
-from zos.integrations.transformers import ZosOptions, disable_zos, enable_zos  # noqa: E402
+from zos.integrations.transformers import (  # noqa: E402
+    ZosOptions,
+    disable_zos,
+    enable_zos,
+    zos_ios_class,
+)
 
 EOS = -1
 
@@ -242,3 +247,37 @@ def test_readme_example_runs_as_printed():
     with contextlib.redirect_stdout(out):
         exec(compile(code, "README.md (python transformers)", "exec"), {"__name__": "readme"})
     assert out.getvalue() == expected
+
+
+def test_zos_metadata_equals_transformers_state(monkeypatch):
+    """Every zos step's metadata, exactly, against transformers' own state of each request at
+    that step (position = tokens in its cache, blocks = its block list in the cache manager) and
+    the transformers padding profile for the padded rows (bucket policy vllm: 5 requests -> 8)."""
+    ios_cls = zos_ios_class()
+    original = ios_cls._zos_prepare
+    checked = []
+
+    def checking(io, requests, logits_processors, step, rows):
+        bs = io.cache.block_size
+        tables = io.cache.group_cache_managers[0].block_table
+        want = [(fs.state.position_offset, list(tables[fs.state.request_id])) for fs in requests]
+        original(io, requests, logits_processors, step, rows)
+        md, n = io._zos_md, len(requests)
+        prof, w = io.zos_buffers.padding, io.zos_buffers.max_num_blocks_per_req
+        pad = md.padded_size - n
+        assert md.positions.tolist() == [p for p, _ in want] + [0] * pad
+        assert md.seq_lens.tolist() == [p + 1 for p, _ in want] + [prof.seq_len_fill] * pad
+        assert md.slot_mapping.tolist() == (
+            [b[p // bs] * bs + p % bs for p, b in want] + [prof.pad_slot_id] * pad)
+        table = [b[: p // bs + 1] + [prof.null_block] * (w - p // bs - 1) for p, b in want]
+        assert md.block_table.tolist() == table + [[prof.null_block] * w] * pad
+        assert prof.null_block == io.cache.num_blocks
+        assert prof.pad_slot_id == io.cache.write_trash_index
+        checked.append(n)
+
+    monkeypatch.setattr(ios_cls, "_zos_prepare", checking)
+    model = tiny_llama(4)
+    inputs = prompts(4, (2, 7, 4, 1, 5), model.config.vocab_size)
+    ours, _ = run_generate_batch(model, inputs, 6, zos=True, bucket_policy="vllm")
+    assert ours == [reference(model, p, 6) for p in inputs]
+    assert len(checked) >= 5 and 5 in checked
