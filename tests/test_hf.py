@@ -107,9 +107,11 @@ def test_generate_batch_matches_transformers_and_generate(seed, lengths, max_new
 
 
 def test_manager_join_leave_reused_ids_and_preemption(monkeypatch):
-    """Requests of different lengths leave at different steps while others join; ids are reused
-    after their request finished; a KV pool too small for all of them makes transformers evict
-    (soft reset: re-prefill) and resume requests. Every request's tokens equal generate()."""
+    """Requests of different lengths leave at different steps; a second wave joins while the
+    first still decodes (transformers' prefill and mixed steps after zos steps); a third wave
+    reuses the ids of finished requests; a KV pool too small for all of them makes transformers
+    evict (soft reset: re-prefill) and resume requests. Every request's tokens equal
+    generate()."""
     model = tiny_llama(3)
     evicted = []
     original = offloading_manager.OffloadingManager.offload_requests
@@ -122,30 +124,44 @@ def test_manager_join_leave_reused_ids_and_preemption(monkeypatch):
     monkeypatch.setattr(offloading_manager.OffloadingManager, "offload_requests", counting)
     timings = []
     enable_zos(model, ZosOptions(timings=timings))
-    waves = [prompts(10, (3, 6, 1, 9, 4), 97), prompts(11, (5, 2, 7), 97)]
-    max_new = [[9, 4, 13, 6, 11], [8, 12, 5]]
+    waves = [(["a0", "a1", "a2", "a3", "a4"], prompts(10, (3, 6, 1, 9, 4), 97), [9, 2, 13, 6, 11]),
+             (["b0", "b1", "b2"], prompts(11, (5, 17, 7), 97), [8, 12, 5]),
+             (["a0", "a1", "a2"], prompts(12, (2, 8, 3), 97), [6, 7, 9])]  # ids reused
     got = {}
-    cb = cb_config(num_blocks=8, safety_margin=0.0)  # 32 KV slots for ~100 tokens
+    cb = cb_config(num_blocks=8, safety_margin=0.0)  # 32 KV slots for ~130 tokens
     manager = model.init_continuous_batching(generation_config=gen_config(16),
                                              continuous_batching_config=cb)
     manager.start()
+
+    def add(wave):
+        for rid, p, n in zip(*waves[wave]):
+            manager.add_request(p, request_id=rid, max_new_tokens=n)
+
+    def collect(wave, count):
+        for _ in range(count):
+            res = manager.get_result(timeout=120)
+            assert res is not None and res.is_finished()
+            got[(wave if res.request_id.startswith("a") else 1, res.request_id)] = \
+                res.generated_tokens
+
     try:
-        for wave, (inputs, lens) in enumerate(zip(waves, max_new)):
-            ids = [f"r{i}" for i in range(len(inputs))]  # wave 1 reuses wave 0's ids
-            for rid, p, n in zip(ids, inputs, lens):
-                manager.add_request(p, request_id=rid, max_new_tokens=n)
-            for _ in ids:
-                res = manager.get_result(timeout=120)
-                assert res is not None and res.is_finished()
-                got[(wave, res.request_id)] = res.generated_tokens
+        add(0)
+        collect(0, 1)  # the shortest request of wave 0 is done, the others still decode
+        add(1)
+        collect(0, 7)
+        add(2)
+        collect(2, 3)
     finally:
         manager.stop(block=True)
         disable_zos(model)
     assert sum(evicted) > 0, "the pool must be small enough for transformers to preempt"
-    assert [p for p, _ in timings].count("zos") >= 10
-    for wave, (inputs, lens) in enumerate(zip(waves, max_new)):
-        for i, (p, n) in enumerate(zip(inputs, lens)):
-            assert got[(wave, f"r{i}")] == reference(model, p, n), (wave, i)
+    paths = [p for p, _ in timings]
+    assert paths.count("zos") >= 10
+    assert any(p == "transformers" and "zos" in paths[:i] for i, p in enumerate(paths)), \
+        "a transformers step (prefill or mixed) must follow zos steps"
+    for wave, (ids, inputs, lens) in enumerate(waves):
+        for rid, p, n in zip(ids, inputs, lens):
+            assert got[(wave, rid)] == reference(model, p, n), (wave, rid)
 
 
 def test_smollm2_real_weights():

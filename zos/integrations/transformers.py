@@ -287,9 +287,11 @@ def _make_zos_ios_class():
                 self.zos_backend.build(plan.padded_size)
             self._zos_md = self.zos_backend.metadata(plan)
             self._zos_prev, self._zos_prev_n = rows, n
-            # transformers' bookkeeping of a prepared batch (what its loop does per request)
-            self.num_q_tokens, self.max_kv_read, self.num_request_in_batch = n, 0, n
-            self.use_block_table, self.max_seqlen_q, self.total_seqlen_q = False, 1, n
+            # transformers' bookkeeping of a prepared batch (what its loop does per request).
+            # num_q_tokens / max_kv_read keep the last transformers step's values: its next
+            # step resets (``_reset_static_tensors``) the region of its own tensors and mask
+            # that step wrote, which zos steps never touch.
+            self.num_request_in_batch = n
             self.requests_in_batch = list(requests)
             positions = self.req_id_to_new_token_position = {}
             for i, fs in enumerate(requests):
