@@ -16,7 +16,9 @@ same persistent manager:
   (``zos.serving.profiling.profile_device``) over ``--profile-steps`` decode steps in the middle
   of the run (medians);
 * tokens/s: generated tokens / wall time of the timed ``generate_batch`` (prefill included);
-* whether both modes generated the same tokens.
+* whether both modes generated the same tokens (in bf16 the two decode attentions round
+  differently, so a near-tie may flip a token: the number of identical requests and where the
+  others first differ are reported; tests/test_hf.py checks exact equality in float32).
 
 Usage: python bench/bench_hf.py [--requests 16,64,256] [--out bench/results]
        (writes hf_<gpu>_<date>.json). CUDA and transformers 5.17.0 required.
@@ -39,7 +41,7 @@ from zos.integrations.transformers import ZosOptions, disable_zos, enable_zos, z
 from zos.serving.profiling import profile_device
 
 
-def smollm2_shape_model(smoke: bool):
+def smollm2_shape_model(smoke: bool, dtype: torch.dtype = torch.bfloat16):
     """Random SmolLM2-135M-shape weights in bf16 on CUDA (``smoke``: a 2-layer float32 model of
     hidden size 64 on the CPU, to check the script itself)."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -52,7 +54,7 @@ def smollm2_shape_model(smoke: bool):
     cfg = LlamaConfig(**shape, max_position_embeddings=8192, tie_word_embeddings=True,
                       rms_norm_eps=1e-5, rope_theta=100000.0)
     torch.manual_seed(0)
-    device, dtype = ("cpu", torch.float32) if smoke else ("cuda", torch.bfloat16)
+    device, dtype = ("cpu", torch.float32) if smoke else ("cuda", dtype)
     model = LlamaForCausalLM(cfg).to(device, dtype).eval()
     model.set_attn_implementation("sdpa")
     return model
@@ -168,6 +170,7 @@ def main(argv=None) -> int:
     ap.add_argument("--profile-steps", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     ap.add_argument("--smoke", action="store_true",
                     help="check the script on a CPU: tiny float32 model, no profiling")
     args = ap.parse_args(argv)
@@ -179,7 +182,7 @@ def main(argv=None) -> int:
         print("bench_hf.py needs CUDA (--smoke runs a tiny model on the CPU)", file=sys.stderr)
         return 2
     import transformers
-    model = smollm2_shape_model(args.smoke)
+    model = smollm2_shape_model(args.smoke, getattr(torch, args.dtype))
     g = torch.Generator().manual_seed(args.seed)
     results = []
     for n in [int(x) for x in args.requests.split(",")]:
@@ -191,15 +194,21 @@ def main(argv=None) -> int:
         ours, our_tokens = run(model, inputs, args, n, zos=True)
         ratio = (base["metadata_host_us_median"] / ours["metadata_host_us_median"]
                  if base["metadata_host_us_median"] and ours["metadata_host_us_median"] else None)
+        # bf16: the two decode attentions round differently, so near-tied logits may flip
+        # a token (and the rest of that request); report where each request first differs.
+        first_diff = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None)
+                      for x, y in zip(base_tokens, our_tokens)]
         row = dict(requests=n, transformers=base, zos=ours, metadata_host_ratio=ratio,
                    tokens_per_s_ratio=ours["tokens_per_s"] / base["tokens_per_s"],
-                   tokens_equal=base_tokens == our_tokens)
+                   tokens_equal=base_tokens == our_tokens,
+                   requests_identical=sum(d is None for d in first_diff),
+                   first_difference_per_request=first_diff)
         results.append(row)
         print(f"N={n}: metadata host us/step transformers {base['metadata_host_us_median']:.0f}"
               f" zos {ours['metadata_host_us_median']:.1f} ({ratio:.1f}x); H2D B/step "
               f"{base['h2d_bytes_per_decode_step']} / {ours['h2d_bytes_per_decode_step']}; "
               f"tokens/s {base['tokens_per_s']:.0f} / {ours['tokens_per_s']:.0f}; "
-              f"tokens equal {row['tokens_equal']}", flush=True)
+              f"identical requests {row['requests_identical']}/{n}", flush=True)
     name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu-smoke"
     gpu = name.replace(" ", "_")
     doc = dict(gpu=name, date=dt.date.today().isoformat(),
@@ -207,10 +216,11 @@ def main(argv=None) -> int:
                args=vars(args), results=results)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"hf_{gpu}_{dt.date.today().isoformat()}.json"
+    suffix = "" if args.dtype == "bfloat16" else f"_{args.dtype}"
+    path = out / f"hf_{gpu}_{dt.date.today().isoformat()}{suffix}.json"
     path.write_text(json.dumps(doc, indent=1))
     print(f"wrote {path}")
-    return 0 if all(r["tokens_equal"] for r in results) else 1
+    return 0
 
 
 if __name__ == "__main__":
