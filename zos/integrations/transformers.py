@@ -414,9 +414,10 @@ def enable_zos(model, options: ZosOptions | None = None) -> None:
         raise ValueError("zos supports full attention in every layer; this model has "
                          "sliding-window layers")
     if model.device.type == "cpu" and not _triton_interpreted():
-        raise RuntimeError("on a CPU zos runs its Triton kernels in Triton's interpreter, which "
-                           "must be chosen before triton is imported: import zos before "
-                           "transformers (transformers' model classes import triton)")
+        raise RuntimeError("a model on the CPU needs Triton's interpreter for zos's kernels, "
+                           "chosen before triton is imported: import zos before transformers "
+                           "(its model classes import triton) on a machine without CUDA, or set "
+                           "TRITON_INTERPRET=1 in the environment")
     tf.AttentionInterface.register(ATTN_IMPLEMENTATION, zos_paged_attention)
     _install_manager_hook()
     model._zos_options = options
