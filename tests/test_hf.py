@@ -299,3 +299,25 @@ def test_zos_metadata_equals_transformers_state(monkeypatch):
     ours, _ = run_generate_batch(model, inputs, 6, zos=True, bucket_policy="vllm")
     assert ours == [reference(model, p, 6) for p in inputs]
     assert len(checked) >= 5 and 5 in checked
+
+
+def test_cpu_model_with_triton_imported_first_is_refused():
+    """In a fresh process that imports transformers' model classes (and with them triton)
+    before zos, without TRITON_INTERPRET, enable_zos on a CPU model raises the RuntimeError that
+    says what to do, instead of failing later inside a kernel launch."""
+    import os
+    import subprocess
+
+    code = ("from transformers import LlamaConfig, LlamaForCausalLM\n"
+            "from zos.integrations.transformers import enable_zos\n"
+            "m = LlamaForCausalLM(LlamaConfig(vocab_size=97, hidden_size=32, "
+            "intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, "
+            "num_key_value_heads=2))\n"
+            "m.set_attn_implementation('sdpa')\n"
+            "try:\n    enable_zos(m)\nexcept RuntimeError as e:\n    print('refused:', e)\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "refused: a model on the CPU needs Triton's interpreter" in out.stdout
+    assert "import zos before transformers" in out.stdout
