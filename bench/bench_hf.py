@@ -14,7 +14,8 @@ same persistent manager:
   that were not profiled;
 * H2D bytes and copies of one decode step's preparation, from ``torch.profiler``
   (``zos.serving.profiling.profile_device``) over ``--profile-steps`` decode steps in the middle
-  of the run (medians);
+  of the run (medians), and for zos the staged record's bytes of every decode step (median and
+  max: the first decode step after a prefill stages every row as new);
 * tokens/s: generated tokens / wall time of the timed ``generate_batch`` (prefill included);
 * whether both modes generated the same tokens (in bf16 the two decode attentions round
   differently, so a near-tie may flip a token: the number of identical requests and where the
@@ -72,6 +73,7 @@ class StepRecorder:
     def __init__(self, cls, profile_from: int, profile_steps: int, zos: bool):
         self.cls, self.original = cls, cls.prepare_batch_tensors
         self.host_s, self.profiled, self.profile_errors = [], [], []
+        self.record_bytes = []
         self.decode_steps = 0
         recorder = self
 
@@ -99,6 +101,8 @@ class StepRecorder:
                 decode = decode and io._zos_md is not None
             if decode:
                 recorder.decode_steps += 1
+                if zos:  # the staged record, exactly (the profiler's H2D bytes include it)
+                    recorder.record_bytes.append(io.zos_backend.last_upload_bytes)
                 if not profile:
                     recorder.host_s.append(dt_s)
 
@@ -115,7 +119,9 @@ class StepRecorder:
                     metadata_host_us_median=med(us), metadata_host_us_p90=p90,
                     h2d_bytes_per_decode_step=med([a.h2d_bytes for a in self.profiled]),
                     h2d_copies_per_decode_step=med([a.h2d_copies for a in self.profiled]),
-                    profiled_steps=len(self.profiled), profile_errors=self.profile_errors)
+                    profiled_steps=len(self.profiled), profile_errors=self.profile_errors,
+                    zos_record_bytes_median=med(self.record_bytes),
+                    zos_record_bytes_max=max(self.record_bytes, default=None))
 
 
 def run(model, inputs, args, n: int, zos: bool) -> tuple[dict, list]:
