@@ -138,13 +138,17 @@ the previous rows (request id, first position, block count), and writes the
 record into a caller-owned int32 buffer, normally a pinned tensor's numpy view.
 Raises ValueError (naming field, row, request and value) before writing anything.)doc")
       .def(py::init([](int64_t max_num_reqs, int64_t uniform_decode_query_len, int64_t block_size, int64_t max_num_blocks_per_req,
-                       int64_t num_kv_blocks, int64_t vocab_size) {
+                       int64_t num_kv_blocks, int64_t vocab_size, int64_t null_block) {
              return zos::StepPacker(
                  {max_num_reqs, uniform_decode_query_len, block_size, max_num_blocks_per_req, num_kv_blocks,
-                  vocab_size});
+                  vocab_size, null_block});
            }),
            py::arg("max_num_reqs"), py::arg("uniform_decode_query_len"), py::arg("block_size"),
-           py::arg("max_num_blocks_per_req"), py::arg("num_kv_blocks"), py::arg("vocab_size"))
+           py::arg("max_num_blocks_per_req"), py::arg("num_kv_blocks"), py::arg("vocab_size"),
+           py::arg("null_block") = 0,
+           R"doc(null_block: the padding profile's null block (zos.buffers.PaddingProfile): 0, reserved
+inside the pool (request block ids in [1, num_kv_blocks)), or >= num_kv_blocks, outside it
+(request block ids in [0, num_kv_blocks), as transformers hands them out). ValueError otherwise.)doc")
       .def("pack", &pack, py::arg("req_ids"), py::arg("new_rows"), py::arg("new_tokens"),
            py::arg("new_positions"), py::arg("new_block_indptr"), py::arg("new_block_ids"),
            py::arg("append_rows"), py::arg("append_block_ids"), py::arg("out"),
@@ -159,7 +163,8 @@ last block of a carried row); out int32 [capacity], written in place.
 
 Rows not in new_rows must hold a request of the previous step; their position
 advances by q and their blocks carry over. Raises ValueError on any inconsistency
-(unknown request without payload, block ids outside [1, num_kv_blocks), a position
+(unknown request without payload, block ids outside [first, num_kv_blocks) with first 1
+when null_block is 0 and 0 otherwise, a position
 not covered by the row's blocks, beyond max_num_blocks_per_req * block_size, more than
 max_num_reqs rows, record larger than ``out``); TypeError on wrong dtypes.)doc")
       .def("reset", &zos::StepPacker::reset,

@@ -27,8 +27,14 @@ StepPacker::StepPacker(const PackerConfig& cfg) : cfg_(cfg), index_(cfg.max_num_
   positive(cfg.block_size, "block_size");
   positive(cfg.max_num_blocks_per_req, "max_num_blocks_per_req");
   positive(cfg.vocab_size, "vocab_size");
-  if (cfg.num_kv_blocks < 2) fail("num_kv_blocks must be >= 2 (block 0 is reserved), got " +
-                               std::to_string(cfg.num_kv_blocks));
+  if (cfg.null_block != 0 && cfg.null_block < cfg.num_kv_blocks)
+    fail("null_block must be 0 or >= num_kv_blocks = " + std::to_string(cfg.num_kv_blocks) +
+         " (a block handed to requests cannot be the null block), got " +
+         std::to_string(cfg.null_block));
+  if (cfg.num_kv_blocks < cfg.first_block_id() + 1)
+    fail("num_kv_blocks must be >= " + std::to_string(cfg.first_block_id() + 1) +
+         (cfg.null_block == 0 ? " (block 0 is reserved)" : "") + ", got " +
+         std::to_string(cfg.num_kv_blocks));
   const size_t r = static_cast<size_t>(cfg.max_num_reqs);
   for (auto* v : {&remap_, &rec_of_row_, &app_count_, &app_start_, &prev_pos0_, &prev_nblocks_,
                   &curr_pos0_, &curr_nblocks_, &taken_by_})
@@ -130,14 +136,16 @@ void StepPacker::validate_new_rows(const StepInput& in) {
     lo_id = std::min(lo_id, ids[e]);
     hi_id = std::max(hi_id, ids[e]);
   }
-  if (in.l > 0 && (lo_id < 1 || hi_id >= cfg_.num_kv_blocks)) {
+  const int64_t first = cfg_.first_block_id();
+  if (in.l > 0 && (lo_id < first || hi_id >= cfg_.num_kv_blocks)) {
     int64_t e = 0;
-    while (ids[e] >= 1 && ids[e] < cfg_.num_kv_blocks) ++e;
+    while (ids[e] >= first && ids[e] < cfg_.num_kv_blocks) ++e;
     const int64_t k = std::upper_bound(in.new_block_indptr, in.new_block_indptr + in.m + 1, e) -
                       in.new_block_indptr - 1;
     fail("new_block_ids: " + row_str(in.new_rows[k], in.req_ids[in.new_rows[k]]) +
-         " has block id " + std::to_string(ids[e]) + " outside [1, " +
-         std::to_string(cfg_.num_kv_blocks) + ") (block 0 is the reserved null block)");
+         " has block id " + std::to_string(ids[e]) + " outside [" + std::to_string(first) +
+         ", " + std::to_string(cfg_.num_kv_blocks) + ") (the null block is " +
+         std::to_string(cfg_.null_block) + ")");
   }
 }
 
@@ -151,9 +159,9 @@ void StepPacker::validate_appends(const StepInput& in) {
     if (rec_of_row_[row] >= 0)
       fail("append_rows: " + who() + " is a new row; put the block in its new_block_ids");
     const int64_t b = in.append_block_ids[e];
-    if (b < 1 || b >= cfg_.num_kv_blocks)
-      fail("append_block_ids: " + who() + " gets block id " + std::to_string(b) +
-           " outside [1, " + std::to_string(cfg_.num_kv_blocks) + ")");
+    if (b < cfg_.first_block_id() || b >= cfg_.num_kv_blocks)
+      fail("append_block_ids: " + who() + " gets block id " + std::to_string(b) + " outside [" +
+           std::to_string(cfg_.first_block_id()) + ", " + std::to_string(cfg_.num_kv_blocks) + ")");
     ++app_count_[row];
   }
 }

@@ -16,8 +16,12 @@ struct PackerConfig {
   int64_t q;                   // token rows per request row (1 + draft tokens)
   int64_t block_size;          // tokens per KV block
   int64_t max_num_blocks_per_req;  // block-table width W
-  int64_t num_kv_blocks;          // KV blocks; ids in [1, num_kv_blocks), 0 is the null block
+  int64_t num_kv_blocks;          // KV blocks; ids in [first_block_id(), num_kv_blocks)
   int64_t vocab_size;          // token ids in [0, vocab_size)
+  int64_t null_block = 0;      // the padding profile's null block: 0 (reserved inside the pool,
+                               // vLLM / SGLang) or >= num_kv_blocks (outside it, transformers)
+  // Smallest block id a request may hold: 1 when the null block 0 is inside the pool, else 0.
+  int64_t first_block_id() const { return null_block == 0 ? 1 : 0; }
 };
 
 struct StepInput {

@@ -59,7 +59,7 @@ def rebuild_rows(staging_ptr, sampled_ptr, accepted_ptr,
                  input_ids_ptr, positions_ptr, slot_mapping_ptr, seq_lens_ptr, qsl_ptr,
                  block_table_ptr, num_blocks_per_row_ptr, counts_ptr,
                  scratch_pos_ptr, scratch_nb_ptr, scratch_bt_ptr,
-                 bt_stride, block_size, pad_token_id, seq_len_fill,
+                 bt_stride, block_size, pad_token_id, seq_len_fill, pad_slot_id, null_block,
                  Q: tl.constexpr, Q_POW2: tl.constexpr, BLOCK_W: tl.constexpr,
                  NUM_REQS_WORD: tl.constexpr, NUM_RECORDS_WORD: tl.constexpr,
                  HEADER_WORDS: tl.constexpr, RECORD_WORDS: tl.constexpr,
@@ -73,9 +73,10 @@ def rebuild_rows(staging_ptr, sampled_ptr, accepted_ptr,
     int32 [R*Q] (token row r*Q), positions int32 [R*Q], slot_mapping int64 [R*Q]
     (block * block_size + offset), seq_lens int32 [R], query_start_loc int32 [R+1] (entry
     r+1; program 0 also entry 0), block_table int32 [R, bt_stride] (columns written and the
-    previous occupant's cleared to the null block 0), num_blocks_per_row int32 [R], and
+    previous occupant's cleared to null_block), num_blocks_per_row int32 [R], and
     program 0 counts int32 [2] = (N, N*Q). Rows r >= N get the dummy values of the padding
-    ledger.
+    ledger, from the buffers' PaddingProfile: pad_token_id, position 0, seq_len_fill,
+    slot pad_slot_id (int64) and null_block in the columns a previous occupant used.
     """
     r = tl.program_id(0)
     r64 = r.to(tl.int64)
@@ -124,7 +125,8 @@ def rebuild_rows(staging_ptr, sampled_ptr, accepted_ptr,
             cols = c0 + tl.arange(0, BLOCK_W)
             kept = tl.where(moved, cols < col0, False)
             fresh = (cols >= col0) & (cols < nb_new)
-            v_kept = tl.load(scratch_bt_ptr + r64 * bt_stride + cols, mask=kept, other=0)
+            v_kept = tl.load(scratch_bt_ptr + r64 * bt_stride + cols, mask=kept,
+                             other=null_block)
             v_new = tl.load(blk_base + blk_off + cols - col0, mask=fresh, other=0)
             tl.store(row_bt + cols, tl.where(fresh, v_new, v_kept), mask=cols < end)
         tl.store(num_blocks_per_row_ptr + r, nb_new)
@@ -144,12 +146,12 @@ def rebuild_rows(staging_ptr, sampled_ptr, accepted_ptr,
         tl.store(input_ids_ptr + tok_rows, token + t * 0, mask=tmask & (t == 0))
         tl.store(seq_lens_ptr + r, pos0 + Q)
     else:
-        # Dummy row: the padding ledger of docs/ZOS.md.
+        # Dummy row: the padding ledger of docs/ZOS.md, values of the PaddingProfile.
         for c0 in range(0, old_nb, BLOCK_W):
             cols = c0 + tl.arange(0, BLOCK_W)
-            tl.store(row_bt + cols, cols * 0, mask=cols < old_nb)
+            tl.store(row_bt + cols, cols * 0 + null_block, mask=cols < old_nb)
         tl.store(num_blocks_per_row_ptr + r, 0)
         tl.store(input_ids_ptr + tok_rows, pad_token_id + t * 0, mask=tmask)
         tl.store(positions_ptr + tok_rows, t * 0, mask=tmask)
-        tl.store(slot_mapping_ptr + tok_rows, (t * 0 - 1).to(tl.int64), mask=tmask)
+        tl.store(slot_mapping_ptr + tok_rows, (t * 0).to(tl.int64) + pad_slot_id, mask=tmask)
         tl.store(seq_lens_ptr + r, seq_len_fill)

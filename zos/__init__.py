@@ -26,7 +26,7 @@ _EXPORTS = {
     "MetadataBackend": "zos.backend", "StepPlan": "zos.backend",
     "BucketTable": "zos.buckets", "from_policy": "zos.buckets",
     "DecodeBuffers": "zos.buffers", "StepMetadata": "zos.buffers",
-    "NULL_BLOCK": "zos.buffers", "PAD_SLOT_ID": "zos.buffers",
+    "NULL_BLOCK": "zos.buffers", "PAD_SLOT_ID": "zos.buffers", "PaddingProfile": "zos.buffers",
     "DeviceMetadataBackend": "zos.device_backend",
     "HostMetadataBackend": "zos.host_backend",
     "DecodeStep": "zos.step",

@@ -19,7 +19,7 @@ from zos.triton_kernels.paged_attention import (
     paged_decode_split_kernel,
 )
 
-__all__ = ["default_num_splits", "paged_decode_attention"]
+__all__ = ["default_num_splits", "paged_decode_attention", "paged_decode_attention_kv"]
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _LOG2E = 1.4426950408889634
@@ -66,29 +66,57 @@ def _need_tensor(name: str, t) -> None:
 
 
 def _check_args(q, kv_cache, block_table, seq_lens, scale, out, num_splits) -> None:
-    """Shape, dtype, device and layout checks; reads no device value (no host sync)."""
+    """Checks of :func:`paged_decode_attention` (one ``[2, ...]`` cache); reads no device value."""
     where = "paged_decode_attention"
-    for name, t in (("q", q), ("kv_cache", kv_cache), ("block_table", block_table),
-                    ("seq_lens", seq_lens)):
+    for name, t in (("q", q), ("kv_cache", kv_cache)):
         _need_tensor(name, t)
-    if out is not None:
-        _need_tensor("out", out)
     if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
         raise ValueError(f"{where}: kv_cache must be [2, num_blocks, block_size, num_kv_heads, "
                          f"head_dim], got shape {tuple(kv_cache.shape)}")
-    _, num_blocks, block_size, hkv, hd = kv_cache.shape
+    _check_common(where, "kv_cache", kv_cache, q, block_table, seq_lens, scale, out, num_splits)
+
+
+def _check_kv_args(q, k_cache, v_cache, block_table, seq_lens, scale, out, num_splits) -> None:
+    """Checks of :func:`paged_decode_attention_kv` (separate K and V caches)."""
+    where = "paged_decode_attention_kv"
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        _need_tensor(name, t)
+    if k_cache.dim() != 4:
+        raise ValueError(f"{where}: k_cache must be [num_blocks, block_size, num_kv_heads, "
+                         f"head_dim], got shape {tuple(k_cache.shape)}")
+    if (v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype
+            or v_cache.device != k_cache.device):
+        raise ValueError(f"{where}: v_cache must match k_cache in shape, dtype and device, got "
+                         f"{tuple(v_cache.shape)} {v_cache.dtype} {v_cache.device} against "
+                         f"{tuple(k_cache.shape)} {k_cache.dtype} {k_cache.device}")
+    if not v_cache.is_contiguous():
+        raise ValueError(f"{where}: v_cache must be contiguous, got strides "
+                         f"{tuple(v_cache.stride())}")
+    _check_common(where, "k_cache", k_cache, q, block_table, seq_lens, scale, out, num_splits,
+                  lead=0)
+
+
+def _check_common(where, cache_name, cache, q, block_table, seq_lens, scale, out, num_splits,
+                  lead=1) -> None:
+    """Shape, dtype, device and layout checks shared by both entry points; ``cache`` is
+    ``[2, nb, bs, hkv, hd]`` (lead = 1) or ``[nb, bs, hkv, hd]`` (lead = 0)."""
+    for name, t in (("block_table", block_table), ("seq_lens", seq_lens)):
+        _need_tensor(name, t)
+    if out is not None:
+        _need_tensor("out", out)
+    num_blocks, block_size, hkv, hd = cache.shape[lead:]
     if min(num_blocks, block_size, hkv, hd) < 1:
-        raise ValueError(f"{where}: kv_cache has an empty dimension, shape "
-                         f"{tuple(kv_cache.shape)}")
+        raise ValueError(f"{where}: {cache_name} has an empty dimension, shape "
+                         f"{tuple(cache.shape)}")
     if q.dim() != 3:
         raise ValueError(f"{where}: q must be 3-D [T, num_heads, head_dim], got shape "
                          f"{tuple(q.shape)}")
     if q.shape[2] != hd:
-        raise ValueError(f"{where}: q head_dim {q.shape[2]} != kv_cache head_dim {hd} "
-                         f"(q shape {tuple(q.shape)}, kv_cache shape {tuple(kv_cache.shape)})")
+        raise ValueError(f"{where}: q head_dim {q.shape[2]} != {cache_name} head_dim {hd} "
+                         f"(q shape {tuple(q.shape)}, {cache_name} shape {tuple(cache.shape)})")
     if q.shape[1] < 1 or q.shape[1] % hkv != 0:
         raise ValueError(f"{where}: q num_heads {q.shape[1]} must be a positive multiple of "
-                         f"kv_cache num_kv_heads {hkv}")
+                         f"{cache_name} num_kv_heads {hkv}")
     if block_table.dim() != 2:
         raise ValueError(f"{where}: block_table must be 2-D [R, W], got shape "
                          f"{tuple(block_table.shape)}")
@@ -102,11 +130,11 @@ def _check_args(q, kv_cache, block_table, seq_lens, scale, out, num_splits) -> N
     if q.shape[0] < r or q.shape[0] % r != 0:
         raise ValueError(f"{where}: q has T={q.shape[0]} token rows, which must be a positive "
                          f"multiple of R={r} (block_table rows)")
-    if kv_cache.dtype not in _DTYPES:
-        raise TypeError(f"{where}: kv_cache dtype must be bfloat16, float16 or float32, got "
-                        f"{kv_cache.dtype}")
-    if q.dtype != kv_cache.dtype:
-        raise TypeError(f"{where}: q dtype {q.dtype} != kv_cache dtype {kv_cache.dtype}")
+    if cache.dtype not in _DTYPES:
+        raise TypeError(f"{where}: {cache_name} dtype must be bfloat16, float16 or float32, got "
+                        f"{cache.dtype}")
+    if q.dtype != cache.dtype:
+        raise TypeError(f"{where}: q dtype {q.dtype} != {cache_name} dtype {cache.dtype}")
     if block_table.dtype != torch.int32:
         raise TypeError(f"{where}: block_table must be int32, got {block_table.dtype}")
     if seq_lens.dtype != torch.int32:
@@ -121,11 +149,11 @@ def _check_args(q, kv_cache, block_table, seq_lens, scale, out, num_splits) -> N
     if out is not None:
         named.append(("out", out))
     for name, t in named:
-        if t.device != kv_cache.device:
-            raise ValueError(f"{where}: {name} is on {t.device}, kv_cache on {kv_cache.device}")
-    if not kv_cache.is_contiguous():
-        raise ValueError(f"{where}: kv_cache must be contiguous, got strides "
-                         f"{tuple(kv_cache.stride())}")
+        if t.device != cache.device:
+            raise ValueError(f"{where}: {name} is on {t.device}, {cache_name} on {cache.device}")
+    if not cache.is_contiguous():
+        raise ValueError(f"{where}: {cache_name} must be contiguous, got strides "
+                         f"{tuple(cache.stride())}")
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise TypeError(f"{where}: scale must be a Python float, got {type(scale).__name__}")
     if not math.isfinite(scale) or scale <= 0:
@@ -196,7 +224,40 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table:
             num_splits < 1.
     """
     _check_args(q, kv_cache, block_table, seq_lens, scale, out, num_splits)
-    _, _, block_size, hkv, hd = kv_cache.shape
+    return _launch(q, kv_cache[0], kv_cache[1], block_table, seq_lens, scale, out, num_splits)
+
+
+def paged_decode_attention_kv(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                              block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                              *, out: torch.Tensor | None = None,
+                              num_splits: int | None = None) -> torch.Tensor:
+    """:func:`paged_decode_attention` over separate K and V caches (the same kernels, no copy).
+
+    For runners that keep one tensor per layer for keys and one for values, such as
+    transformers' ``PagedAttentionCache`` (``key_cache[i]``: ``[(num_blocks + 2) * block_size,
+    num_kv_heads, head_dim]``, viewed as ``[num_blocks + 2, block_size, num_kv_heads,
+    head_dim]``).
+
+    Args:
+        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` each, contiguous,
+            same shape, dtype and device; not written. Block ids in ``block_table`` index them.
+        q, block_table, seq_lens, scale, out, num_splits: as :func:`paged_decode_attention`.
+
+    Returns:
+        ``out``: ``[T, num_heads, head_dim]`` in q's dtype.
+
+    Raises:
+        TypeError, ValueError: as :func:`paged_decode_attention`, naming ``k_cache`` for the
+            cache checks; ValueError if ``v_cache`` differs from ``k_cache`` in shape, dtype or
+            device, or is not contiguous.
+    """
+    _check_kv_args(q, k_cache, v_cache, block_table, seq_lens, scale, out, num_splits)
+    return _launch(q, k_cache, v_cache, block_table, seq_lens, scale, out, num_splits)
+
+
+def _launch(q, k_cache, v_cache, block_table, seq_lens, scale, out, num_splits) -> torch.Tensor:
+    """Launch the split (and reduce) kernels on checked arguments; caches ``[nb, bs, hkv, hd]``."""
+    _, block_size, hkv, hd = k_cache.shape
     t_rows, hq, _ = q.shape
     r, w = block_table.shape
     q_len = t_rows // r
@@ -226,7 +287,7 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table:
         part_lse = torch.empty((t_rows, hq, num_splits), dtype=torch.float32, device=q.device)
 
     paged_decode_split_kernel[(r, hkv, num_splits)](
-        q, kv_cache[0], kv_cache[1], block_table, seq_lens, part_out, part_lse, out,
+        q, k_cache, v_cache, block_table, seq_lens, part_out, part_lse, out,
         q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1), out.stride(2),
         block_table.stride(0), w, float(scale) * _LOG2E,
         NUM_KV_HEADS=hkv, HEAD_DIM=hd, PAGE_SIZE=block_size, Q_LEN=q_len, GROUP=group,

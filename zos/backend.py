@@ -42,15 +42,17 @@ class MetadataBackend:
 
     Args:
         buffers: the static device buffers this backend writes (reset here).
-        num_kv_blocks: KV blocks in the cache pool (ids in [1, num_kv_blocks); 0 is
-            the null block).
+        num_kv_blocks: KV blocks in the cache pool that requests can hold: ids in
+            [1, num_kv_blocks) when the buffers' profile has the null block 0 (vLLM), in
+            [0, num_kv_blocks) when its null block lies past the pool (transformers).
         vocab_size: token ids accepted in new rows are in [0, vocab_size); the
             buffers' pad token must be one of them.
         buckets: bucket table in token rows; None runs every step unpadded.
 
     Raises:
         ValueError: q != 1, a bucket larger than the buffers or not divisible by q,
-            ``buffers.pad_token_id`` outside [0, vocab_size), or a packer size out of range.
+            ``buffers.pad_token_id`` outside [0, vocab_size), a padding profile that does not
+            fit the pool (``PaddingProfile.check_pool``), or a packer size out of range.
     """
 
     name = "base"
@@ -68,6 +70,7 @@ class MetadataBackend:
                              f"{buffers.max_num_reqs * q} token rows")
         if buckets is not None and any(s % q for s in buckets.sizes):
             raise ValueError(f"every bucket must be divisible by uniform_decode_query_len = {q}")
+        buffers.padding.check_pool(num_kv_blocks, buffers.block_size)
         if not 0 <= buffers.pad_token_id < vocab_size:
             raise ValueError(f"buffers.pad_token_id {buffers.pad_token_id} is outside the "
                              f"vocabulary [0, {vocab_size}): dummy rows would embed it")
@@ -77,7 +80,7 @@ class MetadataBackend:
         self.last_upload_bytes = 0  # bytes the last ``stage`` sent to the device
         self.packer = StepPacker(buffers.max_num_reqs, buffers.uniform_decode_query_len,
                                  buffers.block_size, buffers.max_num_blocks_per_req,
-                                 num_kv_blocks, vocab_size)
+                                 num_kv_blocks, vocab_size, buffers.padding.null_block)
         self.buffers = buffers  # taken over by _take_over(), once nothing else can fail
 
     def _take_over(self) -> None:

@@ -2,20 +2,112 @@
 bucket a prefix view (the layout vLLM's model runner v2 uses).
 
 Rows [N, B) of a padded step are dummy rows that follow the padding ledger of
-docs/ZOS.md: token ``pad_token_id`` (a valid id), position 0, seq_len
-``seq_len_fill`` (default 1, never 0), slot PAD_SLOT_ID (-1, no KV write), and a
-block-table row of the null block 0 (reserved, never given to a request).
+docs/ZOS.md, with the values of the buffers' :class:`PaddingProfile` (the runner's
+convention): token ``pad_token_id`` (a valid id), position 0, seq_len ``seq_len_fill``
+(never 0), slot ``pad_slot_id`` and a block-table row of the ``null_block``. The default,
+``PaddingProfile.VLLM``, is vLLM's: slot PAD_SLOT_ID (-1, no KV write) and the null
+block 0 (reserved, never given to a request).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import ClassVar
 
 import torch
 
 from zos import staging
 
-PAD_SLOT_ID = -1
-NULL_BLOCK = 0
+PAD_SLOT_ID = -1  # vLLM's pad slot (PaddingProfile.VLLM.pad_slot_id)
+NULL_BLOCK = 0  # vLLM's null block (PaddingProfile.VLLM.null_block)
+
+
+@dataclass(frozen=True)
+class PaddingProfile:
+    """What a runner expects in dummy rows: the padding convention, validated when built.
+
+    Runners differ (docs/ZOS.md, the padding ledger): vLLM writes slot -1 for padding (its
+    KV write skips negative slots) and keeps block 0 out of its pool as the null block;
+    SGLang writes padding to slot 0 (``req_to_token`` entry 0 is never handed out);
+    transformers 5.17 hands out every block from 0 and keeps two extra blocks past its
+    pool: a zeroed read trash (the null block) and a write trash (the pad slot).
+
+    Attributes:
+        name: a label for messages.
+        pad_slot_id: slot_mapping value of dummy rows: -1 (the KV write must skip it) or a
+            slot >= 0 in a block no request holds (the KV write stores into it).
+        null_block: block id of dummy rows' block-table columns: 0 (reserved inside the pool,
+            request block ids in [1, num_kv_blocks)) or >= num_kv_blocks (outside the pool,
+            request block ids in [0, num_kv_blocks)); checked against the pool by the backend.
+        seq_len_fill: seq_lens value of dummy rows, >= 1 (0 has produced NaN).
+        pad_token_id: input_ids value of dummy rows, >= 0 (checked against the vocabulary by
+            the backend).
+
+    Raises:
+        TypeError: a field is not an int.
+        ValueError: pad_slot_id < -1, null_block < 0, seq_len_fill < 1, pad_token_id < 0.
+    """
+
+    name: str
+    pad_slot_id: int = PAD_SLOT_ID
+    null_block: int = NULL_BLOCK
+    seq_len_fill: int = 1
+    pad_token_id: int = 0
+
+    VLLM: ClassVar[PaddingProfile]
+    SGLANG: ClassVar[PaddingProfile]
+
+    def __post_init__(self) -> None:
+        for f in ("pad_slot_id", "null_block", "seq_len_fill", "pad_token_id"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or isinstance(v, bool):
+                raise TypeError(f"PaddingProfile {self.name!r}: {f} must be an int, got {v!r}")
+        if self.pad_slot_id < -1:
+            raise ValueError(f"PaddingProfile {self.name!r}: pad_slot_id must be -1 (no KV "
+                             f"write) or a slot >= 0, got {self.pad_slot_id}")
+        if self.null_block < 0:
+            raise ValueError(f"PaddingProfile {self.name!r}: null_block must be >= 0, got "
+                             f"{self.null_block}")
+        if self.seq_len_fill < 1:
+            raise ValueError(f"PaddingProfile {self.name!r}: seq_len_fill must be >= 1 (0 has "
+                             f"produced NaN), got {self.seq_len_fill}")
+        if self.pad_token_id < 0:
+            raise ValueError(f"PaddingProfile {self.name!r}: pad_token_id must be a valid token "
+                             f"id, got {self.pad_token_id}")
+
+    @staticmethod
+    def transformers(num_blocks: int, block_size: int) -> PaddingProfile:
+        """transformers 5.17's convention for a ``PagedAttentionCache`` of ``num_blocks`` blocks
+        (ids 0 .. num_blocks - 1 handed out): the null block is its read trash, block
+        ``num_blocks`` (zeroed, never written), and the pad slot its write trash,
+        ``(num_blocks + 1) * block_size`` (``cache.write_trash_index``, never read). No block it
+        hands out is reserved. ValueError unless both are positive ints."""
+        for f, v in (("num_blocks", num_blocks), ("block_size", block_size)):
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ValueError(f"PaddingProfile.transformers: {f} must be a positive int, "
+                                 f"got {v!r}")
+        return PaddingProfile("transformers", pad_slot_id=(num_blocks + 1) * block_size,
+                              null_block=num_blocks)
+
+    def check_pool(self, num_kv_blocks: int, block_size: int) -> None:
+        """ValueError unless this profile fits a KV pool of ``num_kv_blocks`` blocks of
+        ``block_size`` tokens: the null block is 0 or outside the pool, and a pad slot >= 0 is
+        in the null block (SGLang's slot 0) or in a block past the pool (transformers' write
+        trash), never in a block a request can hold."""
+        if self.null_block != 0 and self.null_block < num_kv_blocks:
+            raise ValueError(f"PaddingProfile {self.name!r}: null_block {self.null_block} is a "
+                             f"block requests hold (ids in [0, {num_kv_blocks})); it must be 0 "
+                             f"or >= num_kv_blocks")
+        if self.pad_slot_id >= 0:
+            blk = self.pad_slot_id // block_size
+            if blk != self.null_block and blk < num_kv_blocks:
+                raise ValueError(f"PaddingProfile {self.name!r}: pad_slot_id {self.pad_slot_id} "
+                                 f"lies in block {blk}, which requests can hold (pool of "
+                                 f"{num_kv_blocks} blocks of {block_size}); dummy rows would "
+                                 f"overwrite its KV")
+
+
+PaddingProfile.VLLM = PaddingProfile("vllm")
+PaddingProfile.SGLANG = PaddingProfile("sglang", pad_slot_id=0)
 
 
 @dataclass(frozen=True)
@@ -30,12 +122,12 @@ class StepMetadata:
         input_ids: int32 [T], token ids (dummy rows: the pad token).
         positions: int32 [T], position of each token (dummy rows: 0).
         slot_mapping: int64 [T], KV slot = block_id * block_size + offset
-            (dummy rows: PAD_SLOT_ID -1, no KV write).
+            (dummy rows: the profile's pad slot; vLLM's PAD_SLOT_ID -1 writes no KV).
         seq_lens: int32 [R], tokens of the request including this step's
             (dummy rows: seq_len_fill, >= 1).
         query_start_loc: int32 [R+1], token-row offsets (decode: r * q).
-        block_table: int32 [R, W], block ids; columns past the row's blocks hold
-            the null block 0.
+        block_table: int32 [R, W], block ids; dummy rows and the columns past a real
+            row's blocks hold the profile's null block (vLLM: 0).
         counts: int32 [2] on the device, (num_reqs, num_tokens): the one count
             every consumer reads to tell real rows from dummy rows; None in prefill.
         num_reqs, num_tokens, padded_size: the same counts on the host (a decode
@@ -69,27 +161,41 @@ class DecodeBuffers:
         uniform_decode_query_len: q, token rows per request row, 1 + draft tokens
             (vLLM's name).
         device: where the buffers live.
-        pad_token_id: token of dummy rows (must be a valid id).
+        pad_token_id: token of dummy rows (must be a valid id); overrides the profile's.
         seq_len_fill: seq_len of dummy rows, the attention backend's fill value
-            (vLLM: ``get_cuda_graph_seq_len_fill_value``); must be >= 1.
+            (vLLM: ``get_cuda_graph_seq_len_fill_value``); must be >= 1; overrides the
+            profile's.
+        padding: the runner's :class:`PaddingProfile` (default ``PaddingProfile.VLLM``);
+            ``buffers.padding`` is it with ``pad_token_id`` / ``seq_len_fill`` applied.
 
     Raises:
         ValueError: a size is not positive, or seq_len_fill < 1 / pad_token_id < 0.
+        TypeError: padding is not a PaddingProfile.
     """
 
     def __init__(self, max_num_reqs: int, max_num_blocks_per_req: int, block_size: int, *,
                  uniform_decode_query_len: int = 1, device: torch.device | str = "cpu",
-                 pad_token_id: int = 0, seq_len_fill: int = 1) -> None:
+                 pad_token_id: int | None = None, seq_len_fill: int | None = None,
+                 padding: PaddingProfile | None = None) -> None:
         q = uniform_decode_query_len
         for name, v in (("max_num_reqs", max_num_reqs),
                         ("max_num_blocks_per_req", max_num_blocks_per_req),
                         ("block_size", block_size), ("uniform_decode_query_len", q)):
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
-        if seq_len_fill < 1:
+        if padding is None:
+            padding = PaddingProfile.VLLM
+        if not isinstance(padding, PaddingProfile):
+            raise TypeError(f"padding must be a PaddingProfile, got {type(padding).__name__}")
+        if seq_len_fill is not None and seq_len_fill < 1:
             raise ValueError(f"seq_len_fill must be >= 1 (0 has produced NaN), got {seq_len_fill}")
-        if pad_token_id < 0:
+        if pad_token_id is not None and pad_token_id < 0:
             raise ValueError(f"pad_token_id must be a valid token id, got {pad_token_id}")
+        overrides = {k: v for k, v in (("pad_token_id", pad_token_id),
+                                       ("seq_len_fill", seq_len_fill)) if v is not None}
+        padding = replace(padding, **overrides) if overrides else padding
+        self.padding = padding
+        pad_token_id, seq_len_fill = padding.pad_token_id, padding.seq_len_fill
         self.max_num_reqs, self.uniform_decode_query_len = max_num_reqs, q
         self.max_num_blocks_per_req, self.block_size = max_num_blocks_per_req, block_size
         self.pad_token_id, self.seq_len_fill = pad_token_id, seq_len_fill
@@ -122,9 +228,9 @@ class DecodeBuffers:
         nothing an earlier backend wrote survives (in place, on the buffers' stream)."""
         self.input_ids.fill_(self.pad_token_id)
         self.positions.zero_()
-        self.slot_mapping.fill_(PAD_SLOT_ID)
+        self.slot_mapping.fill_(self.padding.pad_slot_id)
         self.seq_lens.fill_(self.seq_len_fill)
-        self.block_table.fill_(NULL_BLOCK)
+        self.block_table.fill_(self.padding.null_block)
         self.counts.zero_()
         self.num_blocks_per_row.zero_()
         self.sampled.zero_()

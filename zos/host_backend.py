@@ -17,7 +17,7 @@ import torch
 from zos import staging
 from zos.backend import MetadataBackend, StepPlan
 from zos.buckets import BucketTable
-from zos.buffers import PAD_SLOT_ID, DecodeBuffers
+from zos.buffers import DecodeBuffers
 from zos.step import DecodeStep
 
 
@@ -32,9 +32,9 @@ def _make_build_rows(HEADER_WORDS, RECORD_WORDS, NUM_REQS, NUM_RECORDS,
 
     @numba.njit(cache=True, nogil=True)
     def _build_rows(rec, sampled, accepted, q, block_size, pad_token_id, seq_len_fill,
-                    padded_reqs, input_ids, positions, slot_mapping, seq_lens, qsl, block_table,
-                    num_blocks_per_row, scratch_pos, scratch_nb, scratch_bt,
-                    bt_compact):  # pragma: no cover - numba
+                    pad_slot_id, null_block, padded_reqs, input_ids, positions, slot_mapping,
+                    seq_lens, qsl, block_table, num_blocks_per_row, scratch_pos, scratch_nb,
+                    scratch_bt, bt_compact):  # pragma: no cover - numba
         """Apply one staging record (csrc/staging.h) to the host rows; returns C, the
         block-table columns to upload, and writes rows [0, padded_reqs) x [0, C) of
         the block table into ``bt_compact`` (row-major, stride C)."""
@@ -76,7 +76,7 @@ def _make_build_rows(HEADER_WORDS, RECORD_WORDS, NUM_REQS, NUM_RECORDS,
                     off = blk0 + rec[at + R_BLK_OFF]
                     block_table[r, col0:col0 + cnt] = rec[off:off + cnt]
                     nb_new = col0 + cnt
-                block_table[r, nb_new:old_nb] = 0
+                block_table[r, nb_new:old_nb] = null_block
                 num_blocks_per_row[r] = nb_new
                 for t in range(q):
                     p = pos0 + t
@@ -86,13 +86,13 @@ def _make_build_rows(HEADER_WORDS, RECORD_WORDS, NUM_REQS, NUM_RECORDS,
                 input_ids[r * q] = token
                 seq_lens[r] = pos0 + q
             else:
-                block_table[r, :old_nb] = 0
+                block_table[r, :old_nb] = null_block
                 num_blocks_per_row[r] = 0
                 nb_new = 0
                 for t in range(q):
                     input_ids[r * q + t] = pad_token_id
                     positions[r * q + t] = 0
-                    slot_mapping[r * q + t] = -1
+                    slot_mapping[r * q + t] = pad_slot_id
                 seq_lens[r] = seq_len_fill
             qsl[r + 1] = (r + 1) * q
             cols = max(cols, old_nb, nb_new)
@@ -143,7 +143,7 @@ class HostMetadataBackend(MetadataBackend):
             return torch.full((n,), fill, dtype=dtype, pin_memory=cuda)
 
         self._h = dict(input_ids=pinned(t, fill=b.pad_token_id), positions=pinned(t),
-                       slot_mapping=pinned(t, torch.int64, PAD_SLOT_ID),
+                       slot_mapping=pinned(t, torch.int64, b.padding.pad_slot_id),
                        seq_lens=pinned(r, fill=b.seq_len_fill),
                        query_start_loc=pinned(r + 1), counts=pinned(2))
         self._sampled = pinned(r)
@@ -156,7 +156,7 @@ class HostMetadataBackend(MetadataBackend):
         self._bt_compact = pinned(r * w)
         self._bt_device = torch.zeros(r * w, dtype=torch.int32, device=b.device)
         self._record = np.zeros(b.staging.numel(), np.int32)
-        self._block_table = np.zeros((r, w), np.int32)
+        self._block_table = np.full((r, w), b.padding.null_block, np.int32)
         self._num_blocks_per_row = np.zeros(r, np.int32)
         self._scratch_pos = np.zeros(r, np.int32)
         self._scratch_nb = np.zeros(r, np.int32)
@@ -182,7 +182,8 @@ class HostMetadataBackend(MetadataBackend):
         a = self._np
         cols = _build_rows(self._record, a["sampled"], self._accepted,
                            b.uniform_decode_query_len, b.block_size,
-                           b.pad_token_id, b.seq_len_fill, r, a["input_ids"], a["positions"],
+                           b.pad_token_id, b.seq_len_fill, b.padding.pad_slot_id,
+                           b.padding.null_block, r, a["input_ids"], a["positions"],
                            a["slot_mapping"], a["seq_lens"], a["query_start_loc"],
                            self._block_table, self._num_blocks_per_row, self._scratch_pos,
                            self._scratch_nb, self._scratch_bt, a["bt_compact"])

@@ -26,7 +26,8 @@ def launch_prep(buffers: DecodeBuffers, padded_size: int) -> None:
     previous step's sampler), and the previous step's rows. Writes, in place,
     ``input_ids``, ``positions``, ``slot_mapping`` (token rows [0, padded_size)),
     ``seq_lens``, ``query_start_loc``, ``block_table``, ``num_blocks_per_row`` (request
-    rows [0, padded_size // q)) and ``counts``; rows past the real N get dummy values.
+    rows [0, padded_size // q)) and ``counts``; rows past the real N get the dummy values of
+    ``buffers.padding`` (the runner's PaddingProfile).
     Two launches, grid (padded_size // q,), no host synchronisation and no host value of
     N: capturable once per bucket.
 
@@ -51,5 +52,6 @@ def launch_prep(buffers: DecodeBuffers, padded_size: int) -> None:
         b.input_ids, b.positions, b.slot_mapping, b.seq_lens, b.query_start_loc,
         b.block_table, b.num_blocks_per_row, b.counts,
         b.scratch_pos, b.scratch_num_blocks_per_row, b.scratch_block_table,
-        w, b.block_size, b.pad_token_id, b.seq_len_fill,
+        w, b.block_size, b.pad_token_id, b.seq_len_fill, b.padding.pad_slot_id,
+        b.padding.null_block,
         Q=q, Q_POW2=triton.next_power_of_2(q), BLOCK_W=block_w, **_REBUILD_LAYOUT)

