@@ -22,7 +22,9 @@ from zos.serving.kv_blocks import BlockAllocator
 from zos.serving.models import allocate_kv_cache
 from zos.serving.readback import SampledReadback
 from zos.serving.runner import GraphRunner
+from zos.serving.spec_engine import decode_spec, drain_spec
 from zos.serving.types import EngineConfig, Request, RunResult, StepRecord, make_buckets
+from zos.spec import SpecDecoder
 from zos.step import DecodeStep
 
 
@@ -40,21 +42,39 @@ class Engine:
     under preemption comes from stream order: a freed block's next owner is written by work
     enqueued after the step that last wrote it. Tokens are identical with and without overlap.
 
+    Speculative decoding (``config.num_draft_tokens`` K > 0): every decode step runs q = 1 + K
+    token rows per request (n-gram drafts, greedy verification, all in the decode graph, see
+    :mod:`zos.spec`); blocks are allocated for the worst case (every draft accepted: positions
+    up to num_computed + K); after the step the engine reads each row's accepted tokens, appends
+    them one by one with the stop checks (a row that reaches eos or max_new_tokens in the middle
+    of its tokens stops there, the rest are dropped) and hands the counts to the backend
+    (``observe_accepted``). The block-table width covers max_model_len + K positions.
+    Speculative decoding runs the synchronous engine only (``overlap`` refused).
+
     Raises ValueError: unknown backend/policy, num_kv_blocks too small for one request of
-    max_model_len, or max_model_len above the model's max_position_embeddings (RoPE table).
+    max_model_len, max_model_len (+ K) above the model's max_position_embeddings (RoPE table),
+    num_draft_tokens < 0, or overlap with draft tokens.
     """
 
     def __init__(self, model, config: EngineConfig, device: torch.device | str = "cpu", *,
                  overlap: bool = False) -> None:
         c, cfg, bs = model.config, config, config.block_size
         self.model, self.config, self.device = model, config, torch.device(device)
-        width = -(-cfg.max_model_len // bs)
+        k = cfg.num_draft_tokens
+        if not isinstance(k, int) or k < 0:
+            raise ValueError(f"num_draft_tokens must be an int >= 0, got {k!r}")
+        if k and overlap:
+            raise ValueError("speculative decoding (num_draft_tokens > 0) runs the synchronous "
+                             "engine only: overlap=True is not implemented with drafts")
+        # Draft rows write up to K positions past the last token a request can hold.
+        width = -(-(cfg.max_model_len + k) // bs)
         if cfg.num_kv_blocks - 1 < width:
             raise ValueError(f"num_kv_blocks {cfg.num_kv_blocks} cannot hold one request of "
                              f"max_model_len {cfg.max_model_len} ({width} blocks + null block)")
-        if cfg.max_model_len > c.max_position_embeddings:
-            raise ValueError(f"max_model_len {cfg.max_model_len} exceeds the model's "
-                             f"max_position_embeddings {c.max_position_embeddings}")
+        if cfg.max_model_len + k > c.max_position_embeddings:
+            raise ValueError(f"max_model_len {cfg.max_model_len} (+ {k} draft positions) "
+                             f"exceeds the model's max_position_embeddings "
+                             f"{c.max_position_embeddings}")
         if cfg.backend not in ("zos", "host"):
             raise ValueError(f"backend: expected 'zos' or 'host', got {cfg.backend!r}")
         buckets = make_buckets(cfg)  # before any allocation: it refuses unknown policies
@@ -62,15 +82,18 @@ class Engine:
                                            c.num_key_value_heads, c.head_dim,
                                            model.embed_tokens.dtype, self.device)
         self.buffers = DecodeBuffers(cfg.max_num_seqs, width, bs, device=self.device,
-                                     pad_token_id=0, seq_len_fill=1)
+                                     pad_token_id=0, seq_len_fill=1,
+                                     uniform_decode_query_len=1 + k)
         kw = dict(num_kv_blocks=cfg.num_kv_blocks, vocab_size=c.vocab_size, buckets=buckets)
         # Under overlap the host-built baseline gathers input ids on the device (vLLM V1's
         # async scheduling) instead of reading the last tokens back, which would wait.
         self.backend = (DeviceMetadataBackend(self.buffers, capture_prep=False, **kw)
                         if cfg.backend == "zos" else
                         HostMetadataBackend(self.buffers, input_ids_from_device=overlap, **kw))
+        self.spec = (SpecDecoder(self.buffers, num_kv_blocks=cfg.num_kv_blocks,
+                                 num_draft_tokens=k) if k else None)
         self.runner = GraphRunner(model, self.kv_caches, self.backend,
-                                  use_cuda_graph=cfg.use_cuda_graph)
+                                  use_cuda_graph=cfg.use_cuda_graph, spec=self.spec)
         self.graphs_captured = self.runner.capture()
         self.allocator = BlockAllocator(cfg.num_kv_blocks)
         self.waiting: deque[Request] = deque()
@@ -78,7 +101,10 @@ class Engine:
         self.records: list[StepRecord] = []
         self.num_preemptions, self.num_steps, self._admitted = 0, 0, 0
         self.overlap = overlap
-        self.readback = SampledReadback(cfg.max_num_seqs, self.device)
+        self.readback = SampledReadback(cfg.max_num_seqs, self.device,
+                                        width=k + 2 if k else 1)
+        # Speculative decoding: decode rows run, tokens kept (1 + accepted drafts per row).
+        self.spec_rows, self.spec_tokens = 0, 0
         self._prefilled: list[Request] = []  # admitted with their KV in place: next decode
         self._live: set[int] = set()  # req_ids waiting or running (not finished)
         # Per-row state kept incrementally, so that a step with no change costs little Python
@@ -164,13 +190,14 @@ class Engine:
             out.append(self._prefill(fresh))
             fresh = [r for r in fresh if r.finish_reason is None]
         fresh, self._prefilled = fresh + self._prefilled, []
-        rec = self._decode(fresh) if fresh or self._row_of else None
+        decode = self._decode_spec if self.spec is not None else self._decode
+        rec = decode(fresh) if fresh or self._row_of else None
         out += [rec] if rec is not None else []
         # Tokens of earlier steps: all of them in sync mode; all but the step just launched
         # under overlap (read while the GPU runs it), or all when nothing was launched.
         keep = 1 if self.overlap and rec is not None else 0
         while len(self.readback.pending) > keep:
-            self._drain()
+            self._drain_spec() if self.spec is not None else self._drain()
         for rec in out:
             self.records.append(rec)
             if progress is not None:
@@ -200,6 +227,13 @@ class Engine:
                       capture_s=self.runner.capture_seconds,
                       metadata_us=sum(s.metadata_us for s in dec),
                       upload_bytes=sum(s.upload_bytes for s in dec))
+        if self.spec is not None:
+            k = self.config.num_draft_tokens
+            totals.update(num_draft_tokens=k, spec_rows=self.spec_rows,
+                          spec_tokens=self.spec_tokens,
+                          mean_tokens_per_row=self.spec_tokens / max(self.spec_rows, 1),
+                          acceptance_rate=(self.spec_tokens - self.spec_rows)
+                          / max(k * self.spec_rows, 1))
         return RunResult({r.req_id: list(r.output) for r in reqs}, steps, totals)
 
     # ---- internals -------------------------------------------------------------------------
@@ -333,6 +367,12 @@ class Engine:
         self._pending.append((set(), due))
         return self._record("decode", res.path, res.num_reqs, res.padded_size, res.prep_us,
                             res.upload_bytes, t0)
+
+    def _decode_spec(self, fresh: list[Request]) -> StepRecord | None:
+        return decode_spec(self, fresh)
+
+    def _drain_spec(self) -> None:
+        drain_spec(self)
 
     def _drain(self) -> None:
         """Append the tokens of the oldest pending decode step. A request that finished or was

@@ -6,6 +6,11 @@ of B token rows, ``compute_logits``, greedy argmax, and the write of the sampled
 ``buffers.sampled`` for rows r < N, with N read from ``buffers.counts[0]`` on the device: dummy
 rows are never sampled, and no host value of N is frozen into the graph. A step with no graph
 (no bucket holds it, CPU, or graphs off) runs the same body eagerly.
+
+With speculative decoding (a :class:`zos.spec.SpecDecoder`, q = 1 + K token rows per request)
+the graph holds prep, the n-gram drafter (draft tokens into token rows 1..K), the forward of all
+q rows, the argmax and the greedy verification, which writes ``buffers.accepted``,
+``buffers.sampled`` (the bonus token, the next step's row-0 input) and ``spec.output``.
 """
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ import torch
 from zos.backend import MetadataBackend
 from zos.buffers import StepMetadata
 from zos.graphs import capture_per_bucket
+from zos.spec import SpecDecoder
 from zos.step import DecodeStep
 
 
@@ -54,19 +60,24 @@ class GraphRunner:
             (BucketTable or None). A DeviceMetadataBackend must be built with
             ``capture_prep=False``: its ``build`` is captured inside this runner's graphs.
         use_cuda_graph: capture graphs in ``capture()`` (only on CUDA, with buckets).
+        spec: a SpecDecoder over the same buffers for speculative decoding (q = 1 + K), or None
+            (plain decode, q = 1).
 
     Raises:
-        ValueError: ``buffers.uniform_decode_query_len != 1`` (speculative decoding is not
-            implemented here), or a device backend that captured its own prep graphs.
+        ValueError: q != 1 without ``spec`` (or ``spec`` over other buffers), or a device
+            backend that captured its own prep graphs.
     """
 
     def __init__(self, model, kv_caches: Sequence[torch.Tensor], backend: MetadataBackend, *,
-                 use_cuda_graph: bool) -> None:
+                 use_cuda_graph: bool, spec: SpecDecoder | None = None) -> None:
         self.model, self.kv_caches, self.backend = model, list(kv_caches), backend
         self.buffers = b = backend.buffers
-        if b.uniform_decode_query_len != 1:
-            raise ValueError(f"GraphRunner samples one token per row: uniform_decode_query_len "
-                             f"must be 1, got {b.uniform_decode_query_len}")
+        if spec is None and b.uniform_decode_query_len != 1:
+            raise ValueError(f"uniform_decode_query_len {b.uniform_decode_query_len} > 1 needs "
+                             f"a SpecDecoder (spec=) to verify the draft rows")
+        if spec is not None and spec.buffers is not b:
+            raise ValueError("spec must be built over the backend's buffers")
+        self.spec = spec
         if getattr(backend, "captures_prep", False):
             raise ValueError("the device backend must be built with capture_prep=False: its "
                              "build is captured inside this runner's graphs")
@@ -118,7 +129,8 @@ class GraphRunner:
     # ---- decode ----------------------------------------------------------------------------
 
     def decode(self, step: DecodeStep) -> DecodeResult:
-        """Run one decode step; sampled tokens land in ``buffers.sampled[:N]`` (on the device).
+        """Run one decode step; sampled tokens land in ``buffers.sampled[:N]`` (on the device;
+        with ``spec``, also ``buffers.accepted[:N]`` and ``spec.output[:N]``).
 
         Rows [N, padded_size) are dummy rows: their ``sampled`` entries keep their old values.
 
@@ -148,9 +160,11 @@ class GraphRunner:
     def _body(self, padded_size: int, build: bool = True, nvtx: bool = False) -> None:
         """Build (if asked), forward, sample for ``padded_size`` token rows; what a graph
         holds."""
-        b = self.buffers
+        b, spec = self.buffers, self.spec
         if build:
             self.backend.build(padded_size)
+        if spec is not None:
+            spec.propose(padded_size)  # draft tokens into token rows 1..K
         md = b.views(0, padded_size)
         if nvtx:
             self._push("zos.forward")
@@ -160,8 +174,12 @@ class GraphRunner:
                 self._pop()
                 self._push("zos.sample")
             tokens = self.model.compute_logits(hidden).argmax(-1).to(torch.int32)
-            real = self._rows[:padded_size] < b.counts[0]  # N read on the device
-            b.sampled[:padded_size].copy_(torch.where(real, tokens, b.sampled[:padded_size]))
+            if spec is not None:  # accepted, sampled and output of rows < N (N on the device)
+                spec.verify(tokens, padded_size)
+            else:
+                real = self._rows[:padded_size] < b.counts[0]  # N read on the device
+                b.sampled[:padded_size].copy_(torch.where(real, tokens,
+                                                          b.sampled[:padded_size]))
         if nvtx:
             self._pop()
 
@@ -220,6 +238,8 @@ class GraphRunner:
             meta.input_ids, meta.positions, last, meta.slot_mapping, meta.seq_lens,
             meta.query_start_loc, meta.block_table))
         self._pop()
+        if self.spec is not None:  # the prompt becomes the drafter's history
+            self.spec.write_history(meta.input_ids, meta.slot_mapping)
         self._push("zos.prefill")
         with torch.no_grad():
             hidden = self.model.forward(meta.input_ids, meta.positions, self.kv_caches, meta,

@@ -37,7 +37,9 @@ class EngineConfig:
     ``bucket_policy``: a name in ``zos.buckets.POLICIES`` ("vllm", "deepinfer", "sglang",
     "trtllm"), built for max_num_seqs requests with max_num_seqs itself a bucket (see
     ``make_buckets``), or None (no graphs); ``buckets`` (sizes or a BucketTable, token rows,
-    taken as given) overrides it."""
+    taken as given) overrides it. ``num_draft_tokens``: K > 0 runs speculative decoding with
+    the n-gram drafter (``zos.spec``), q = 1 + K token rows per request; the bucket table is then
+    the policy's request counts times q (every size a multiple of q)."""
 
     block_size: int = 16
     num_kv_blocks: int = 1024
@@ -49,6 +51,7 @@ class EngineConfig:
     use_cuda_graph: bool = True
     bucket_policy: str | None = "vllm"
     buckets: BucketTable | Sequence[int] | None = None
+    num_draft_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -79,7 +82,7 @@ class RunResult:
 
 
 def make_buckets(cfg: EngineConfig) -> BucketTable | None:
-    """The decode bucket table of ``cfg`` (token rows; the engine runs plain decode, q = 1), or
+    """The decode bucket table of ``cfg`` (token rows, q = 1 + num_draft_tokens per request), or
     None for no graphs.
 
     ``cfg.buckets`` (sizes or a BucketTable) is taken as given. Otherwise ``cfg.bucket_policy``
@@ -88,11 +91,19 @@ def make_buckets(cfg: EngineConfig) -> BucketTable | None:
     set to ``cfg.max_num_seqs``, then ``BucketTable.with_max(max_num_seqs)``: a full batch has a
     graph under every policy and for every max_num_seqs (vLLM itself caps at its grid: 12 gives
     1, 2, 4, 8 there, 1, 2, 4, 8, 12 here). ValueError for an unknown policy name."""
+    q = 1 + cfg.num_draft_tokens
     if cfg.buckets is not None or cfg.bucket_policy is None:
         b = cfg.buckets
-        return b if b is None or isinstance(b, BucketTable) else BucketTable(b)
+        return (b if b is None or isinstance(b, BucketTable)
+                else BucketTable(b, uniform_decode_query_len=q))
     policy = POLICIES.get(cfg.bucket_policy) if isinstance(cfg.bucket_policy, str) else None
     if policy is None:
         raise ValueError(f"bucket_policy: unknown {cfg.bucket_policy!r}; expected one of "
                          f"{list(POLICIES)} or None")
-    return policy.build(cfg.max_num_seqs).with_max(cfg.max_num_seqs)
+    table = policy.build(cfg.max_num_seqs).with_max(cfg.max_num_seqs)
+    if q == 1:
+        return table
+    # Draft tokens: the same request counts, each a bucket of q token rows per request (every
+    # size a multiple of q, TensorRT-LLM's (batch, draft_len) keys at one draft length).
+    return BucketTable([q * s for s in table.sizes], uniform_decode_query_len=q,
+                       name=f"{table.name} x q={q}")

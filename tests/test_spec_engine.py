@@ -1,0 +1,129 @@
+"""Speculative decoding end to end on the small random Llama (fp32): greedy spec decoding with
+the n-gram drafter gives exactly the tokens of plain greedy decoding for every request, k = 1, 2,
+4, both backends, with preemption, mid-run arrivals, condensed rows, eos and length stops in the
+middle of a row's drafts; dummy rows stay dummy after every step."""
+import random
+
+import pytest
+
+from zos.buffers import NULL_BLOCK, PAD_SLOT_ID
+from zos.serving.engine import Engine, EngineConfig, Request
+
+from helpers import DEVICE, LLAMA_BLOCK_SIZE, LLAMA_CFG, greedy_reference
+
+VOCAB, BS = LLAMA_CFG.vocab_size, LLAMA_BLOCK_SIZE
+
+
+def make_requests(seed, n=10):
+    """Prompts that repeat a short pattern (so the drafter finds matches) or are random."""
+    rng = random.Random(seed)
+    reqs = []
+    for i in range(n):
+        if i % 2:
+            pat = [rng.randrange(VOCAB) for _ in range(rng.randint(2, 4))]
+            prompt = (pat * 4)[:rng.randint(3, 11)]
+        else:
+            prompt = [rng.randrange(VOCAB) for _ in range(rng.randint(1, 9))]
+        reqs.append(Request(i, prompt, rng.randint(1, 17)))
+    return reqs
+
+
+def watch_dummy_rows(engine):
+    """After every decode step: token rows [N*q, padded) and request rows [N, padded/q) hold the
+    padding ledger's values; returns the (num_reqs, padded_size, path) seen."""
+    seen, decode, q = [], engine.runner.decode, engine.buffers.uniform_decode_query_len
+
+    def wrapped(step):
+        res = decode(step)
+        b, n, p = engine.buffers, res.num_reqs, res.padded_size
+        assert b.slot_mapping[n * q:p].tolist() == [PAD_SLOT_ID] * (p - n * q)
+        assert b.input_ids[n * q:p].tolist() == [0] * (p - n * q)
+        assert b.seq_lens[n:p // q].tolist() == [1] * (p // q - n)
+        assert (b.block_table[n:p // q] == NULL_BLOCK).all()
+        assert (b.slot_mapping[:n * q] >= 0).all()
+        seen.append((n, p, res.path))
+        return res
+
+    engine.runner.decode = wrapped
+    return seen
+
+
+def drive(model, backend, k, requests, eos, *, num_kv_blocks=12, arrive_at=4):
+    q = 1 + k
+    cfg = EngineConfig(block_size=BS, num_kv_blocks=num_kv_blocks, max_num_seqs=5,
+                       max_model_len=28, max_prefill_tokens=24, eos_token_id=eos,
+                       backend=backend, buckets=[2 * q], num_draft_tokens=k)
+    engine = Engine(model, cfg, DEVICE)
+    seen = watch_dummy_rows(engine)
+    half = len(requests) // 2
+    engine.add_requests(requests[:half])
+    while engine.has_unfinished() or engine.num_steps < arrive_at:
+        if engine.num_steps == arrive_at:
+            engine.add_requests(requests[half:])
+        engine.step()
+    return {r.req_id: r.output for r in requests}, engine, seen
+
+
+@pytest.fixture(scope="module")
+def reference(llama):
+    """Plain greedy outputs (full recompute per token), and an eos that stops some of them."""
+    out = {}
+    for seed in (0, 1):
+        full = {r.req_id: greedy_reference(llama, r.prompt, r.max_new_tokens)
+                for r in make_requests(seed)}
+        counts = {}
+        for toks in full.values():
+            for t in set(toks[1:-1]):
+                counts[t] = counts.get(t, 0) + 1
+        eos = max(sorted(counts), key=counts.get)
+        want = {rid: t[:t.index(eos) + 1] if eos in t else t for rid, t in full.items()}
+        out[seed] = (want, eos)
+    return out
+
+
+@pytest.mark.parametrize("k,seed", [(1, 0), (2, 1), (4, 0)])
+def test_spec_equals_plain_greedy(llama, reference, k, seed):
+    want, eos = reference[seed]
+    got = {}
+    for backend in ("zos", "host"):
+        out, engine, seen = drive(llama, backend, k, make_requests(seed), eos)
+        assert out == want, backend
+        assert engine.num_preemptions > 0, "the run must preempt (few blocks)"
+        assert any(p > n * (1 + k) for n, p, _ in seen), "padded steps with dummy rows"
+        assert any(n > 2 and p == n * (1 + k) for n, p, _ in seen), "N above the largest bucket"
+        assert engine.allocator.num_free == engine.config.num_kv_blocks - 1, "blocks leaked"
+        # some rows kept drafts, some kept none: both paths of the verifier ran
+        assert engine.spec_tokens > engine.spec_rows, "no draft was ever accepted"
+        assert engine.spec_tokens < engine.spec_rows * (1 + k), "every draft was accepted"
+        got[backend] = [(n, p) for n, p, _ in seen]
+    assert got["zos"] == got["host"]
+
+
+def test_length_stop_in_the_middle_of_drafts(llama):
+    """A repeating output that the drafter predicts: rows stop at max_new_tokens exactly, even when
+    the step kept more tokens; the run's totals report the acceptance."""
+    k = 4
+    reqs = [Request(i, [7, 8, 9] * 3, n) for i, n in enumerate((2, 3, 6, 11))]
+    want = {r.req_id: greedy_reference(llama, r.prompt, r.max_new_tokens) for r in reqs}
+    cfg = EngineConfig(block_size=BS, num_kv_blocks=64, max_num_seqs=4, max_model_len=24,
+                       buckets=[5, 10, 20], num_draft_tokens=k)
+    res = Engine(llama, cfg, DEVICE).run(reqs)
+    assert res.outputs == want
+    assert all(len(res.outputs[r.req_id]) == r.max_new_tokens for r in reqs)
+    tot = res.totals
+    assert tot["num_draft_tokens"] == k and 1 <= tot["mean_tokens_per_row"] <= 1 + k
+    rows, kept = tot["spec_rows"], tot["spec_tokens"]
+    assert tot["acceptance_rate"] == (kept - rows) / (k * rows)
+
+
+def test_spec_config_errors(llama):
+    with pytest.raises(ValueError, match="overlap"):
+        Engine(llama, EngineConfig(block_size=BS, num_kv_blocks=64, max_model_len=24,
+                                   num_draft_tokens=2), DEVICE, overlap=True)
+    with pytest.raises(ValueError, match="num_draft_tokens"):
+        Engine(llama, EngineConfig(block_size=BS, num_kv_blocks=64, max_model_len=24,
+                                   num_draft_tokens=-1), DEVICE)
+    with pytest.raises(ValueError, match="draft positions"):
+        Engine(llama, EngineConfig(block_size=BS, num_kv_blocks=200,
+                                   max_model_len=LLAMA_CFG.max_position_embeddings,
+                                   num_draft_tokens=2), DEVICE)
