@@ -49,7 +49,16 @@ def resolve_settings(args, cuda: bool) -> dict:
     s = {k: (v if getattr(args, k, None) is None else getattr(args, k)) for k, v in base.items()}
     s.update(trace=args.trace, start=args.start, block_size=args.block_size, seed=args.seed,
              num_kv_blocks=args.num_kv_blocks, graphs=cuda and not args.no_graphs,
-             weights=args.weights, tiny=bool(args.tiny), overlap=bool(args.overlap))
+             weights=args.weights, tiny=bool(args.tiny), overlap=bool(args.overlap),
+             spec=getattr(args, "spec", None))
+    k = getattr(args, "num_draft_tokens", None)
+    if s["spec"] is None and k is not None:
+        raise ValueError("--num-draft-tokens needs --spec ngram")
+    s["num_draft_tokens"] = 0 if s["spec"] is None else (2 if k is None else k)
+    if s["spec"] is not None and s["num_draft_tokens"] < 1:
+        raise ValueError(f"--num-draft-tokens must be >= 1, got {s['num_draft_tokens']}")
+    if s["spec"] is not None and s["overlap"]:
+        raise ValueError("--spec runs the synchronous engine only (no --overlap)")
     for k in ("num_requests", "scale", "max_prompt", "max_output", "max_num_seqs", "block_size"):
         if s[k] < 1:
             raise ValueError(f"--{k.replace('_', '-')} must be >= 1, got {s[k]}")
@@ -142,7 +151,7 @@ def engine_config(s: dict, backend: str) -> EngineConfig:
     return EngineConfig(block_size=s["block_size"], num_kv_blocks=s["num_kv_blocks"],
                         max_num_seqs=s["max_num_seqs"], max_model_len=s["max_model_len"],
                         eos_token_id=None, backend=backend, use_cuda_graph=s["graphs"],
-                        bucket_policy=policy)
+                        bucket_policy=policy, num_draft_tokens=s.get("num_draft_tokens", 0))
 
 
 def _bar(total: int, desc: str, quiet: bool):
@@ -224,9 +233,10 @@ def run_demo(args) -> dict:
     check_out_dir(args.out)
     model, tokenizer, info = load_model(s, device)
     vocab = model.config.vocab_size
-    if s["max_model_len"] > model.config.max_position_embeddings:
-        raise ValueError(f"--max-prompt + --max-output = {s['max_model_len']} exceeds the "
-                         f"model's {model.config.max_position_embeddings} positions")
+    if s["max_model_len"] + s["num_draft_tokens"] > model.config.max_position_embeddings:
+        raise ValueError(f"--max-prompt + --max-output = {s['max_model_len']} (+ "
+                         f"{s['num_draft_tokens']} draft positions) exceeds the model's "
+                         f"{model.config.max_position_embeddings} positions")
     slice_ = ztrace.trace_slice(s["trace"], s["start"], s["num_requests"], s["scale"],
                                 max_prompt=s["max_prompt"], max_output=s["max_output"])
     if s["num_kv_blocks"] is None:
@@ -239,7 +249,8 @@ def run_demo(args) -> dict:
         f"scaled 1/{s['scale']}, prompts from {source}")
     say(f"  max_num_seqs {s['max_num_seqs']}, block {s['block_size']}, num_kv_blocks "
         f"{s['num_kv_blocks']}, max_model_len {s['max_model_len']}, buckets "
-        f"{s['bucket_policy']}, graphs {'on' if s['graphs'] else 'off'}")
+        f"{s['bucket_policy']}, graphs {'on' if s['graphs'] else 'off'}"
+        + (f", spec {s['spec']} k={s['num_draft_tokens']}" if s["spec"] else ""))
     warm_up(model, s, device, prompts)
     runs, outs, profiled = {}, {}, {}
     for backend in ("host", "zos"):
