@@ -48,12 +48,13 @@ def propose_ngram(counts_ptr, input_ids_ptr, positions_ptr, slot_mapping_ptr, bl
         tl.store(token_cache_ptr + tl.load(slot_mapping_ptr + r64 * Q), tok0)
         bt = block_table_ptr + r64 * bt_stride
         hist_len = pos0 + 1
-        start = -1  # position of the first proposed token
+        start = pos0 * 0 - 1  # position of the first proposed token (an int32 tensor: the
+        # compiler needs one type for a variable assigned under a runtime condition)
         for n in tl.static_range(MAX_N, MIN_N - 1, -1):
             if (start < 0) & (hist_len > n):
                 last_s = hist_len - 1 - n  # the match must be followed by a known token
                 c0 = (last_s // BLOCK) * BLOCK
-                found = -1
+                found = pos0 * 0 - 1
                 while (c0 >= 0) & (found < 0):
                     s = c0 + tl.arange(0, BLOCK)
                     match = s <= last_s

@@ -117,10 +117,11 @@ class SpecDecoder:
         """
         b, q = self.buffers, self.buffers.uniform_decode_query_len
         grid = (self._check_size(padded_size),)
-        if (target.dtype != torch.int32 or target.device != b.device
+        if (target.dtype != torch.int32 or target.device != b.input_ids.device
                 or target.numel() < padded_size):
-            raise ValueError(f"target must be int32 [>= {padded_size}] on {b.device}, got "
-                             f"{target.dtype} {tuple(target.shape)} on {target.device}")
+            raise ValueError(f"target must be int32 [>= {padded_size}] on "
+                             f"{b.input_ids.device}, got {target.dtype} "
+                             f"{tuple(target.shape)} on {target.device}")
         verify_greedy[grid](
             b.counts, b.input_ids, b.slot_mapping, target, self.token_cache,
             b.sampled, b.accepted, self.output,
