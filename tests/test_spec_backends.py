@@ -12,7 +12,9 @@ from zos import BucketTable, DecodeBuffers, DecodeStep, DeviceMetadataBackend, H
 from helpers import DEVICE
 
 VOCAB, PAD = 500, 3
-BACKENDS = {"device": DeviceMetadataBackend, "host": HostMetadataBackend}
+BACKENDS = {"device": DeviceMetadataBackend, "host": HostMetadataBackend,
+            "host_ids_on_device": lambda *a, **kw: HostMetadataBackend(
+                *a, input_ids_from_device=True, **kw)}
 
 
 def make(kind, q, *, max_num_reqs=12, block_size=2, width=40, num_kv_blocks=4000, buckets=True):
@@ -93,7 +95,7 @@ class Truth:
 
 
 @pytest.mark.parametrize("lag", [0, 1])
-@pytest.mark.parametrize("kind", ["device", "host"])
+@pytest.mark.parametrize("kind", list(BACKENDS))
 @pytest.mark.parametrize("q,seed", [(2, 0), (3, 1), (5, 2)])
 def test_trace_with_accepted_counts_matches_truth(kind, q, seed, lag):
     b = make(kind, q)

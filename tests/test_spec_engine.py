@@ -1,7 +1,8 @@
 """Speculative decoding end to end on the small random Llama (fp32): greedy spec decoding with
 the n-gram drafter gives exactly the tokens of plain greedy decoding for every request, k = 1, 2,
-4, both backends, with preemption, mid-run arrivals, condensed rows, eos and length stops in the
-middle of a row's drafts; dummy rows stay dummy after every step."""
+4, both backends, synchronous and overlapped engines, with preemption, mid-run arrivals,
+condensed rows, eos and length stops in the middle of a row's drafts; dummy rows stay dummy
+after every step."""
 import random
 
 import pytest
@@ -48,12 +49,12 @@ def watch_dummy_rows(engine):
     return seen
 
 
-def drive(model, backend, k, requests, eos, *, num_kv_blocks=12, arrive_at=4):
+def drive(model, backend, k, requests, eos, *, num_kv_blocks=12, arrive_at=4, overlap=False):
     q = 1 + k
     cfg = EngineConfig(block_size=BS, num_kv_blocks=num_kv_blocks, max_num_seqs=5,
                        max_model_len=28, max_prefill_tokens=24, eos_token_id=eos,
                        backend=backend, buckets=[2 * q], num_draft_tokens=k)
-    engine = Engine(model, cfg, DEVICE)
+    engine = Engine(model, cfg, DEVICE, overlap=overlap)
     seen = watch_dummy_rows(engine)
     half = len(requests) // 2
     engine.add_requests(requests[:half])
@@ -81,13 +82,17 @@ def reference(llama):
     return out
 
 
-@pytest.mark.parametrize("k,seed", [(1, 0), (2, 1), (4, 0)])
-def test_spec_equals_plain_greedy(llama, reference, k, seed):
+@pytest.mark.parametrize("k,seed,overlap", [(1, 0, False), (2, 1, False), (4, 0, False),
+                                            (2, 0, True), (4, 1, True)])
+def test_spec_equals_plain_greedy(llama, reference, k, seed, overlap):
+    """Overlapped: step t + 1 is staged before step t's accepted counts are known (zos reads
+    them on the device; the host-built baseline waits for them in its stage)."""
     want, eos = reference[seed]
     got = {}
     for backend in ("zos", "host"):
-        out, engine, seen = drive(llama, backend, k, make_requests(seed), eos)
+        out, engine, seen = drive(llama, backend, k, make_requests(seed), eos, overlap=overlap)
         assert out == want, backend
+        assert {p for _, _, p in seen} == ({"eager"} if DEVICE == "cpu" else {"graph", "eager"})
         assert engine.num_preemptions > 0, "the run must preempt (few blocks)"
         assert any(p > n * (1 + k) for n, p, _ in seen), "padded steps with dummy rows"
         assert any(n > 2 and p == n * (1 + k) for n, p, _ in seen), "N above the largest bucket"
@@ -117,8 +122,9 @@ def test_length_stop_in_the_middle_of_drafts(llama):
 
 
 def test_spec_config_errors(llama):
-    with pytest.raises(ValueError, match="overlap"):
-        Engine(llama, EngineConfig(block_size=BS, num_kv_blocks=64, max_model_len=24,
+    with pytest.raises(ValueError, match=r"\+ 4 draft positions"):  # 2K under overlap
+        Engine(llama, EngineConfig(block_size=BS, num_kv_blocks=200,
+                                   max_model_len=LLAMA_CFG.max_position_embeddings - 3,
                                    num_draft_tokens=2), DEVICE, overlap=True)
     with pytest.raises(ValueError, match="num_draft_tokens"):
         Engine(llama, EngineConfig(block_size=BS, num_kv_blocks=64, max_model_len=24,

@@ -228,7 +228,8 @@ class HostMetadataBackend(MetadataBackend):
             idx, got = self._gather_idx[:n], self._gathered[:n]
             torch.clamp(src, min=0, out=idx)
             torch.index_select(b.sampled, 0, idx, out=got)
-            torch.where(src >= 0, got, b.input_ids[:n], out=b.input_ids[:n])
+            row0 = b.input_ids[: n * q: q]  # token row 0 of each request row
+            torch.where(src >= 0, got, row0, out=row0)
         if self._fence is not None:
             self._fence.record()
         self.last_upload_bytes = nbytes

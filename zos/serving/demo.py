@@ -57,8 +57,6 @@ def resolve_settings(args, cuda: bool) -> dict:
     s["num_draft_tokens"] = 0 if s["spec"] is None else (2 if k is None else k)
     if s["spec"] is not None and s["num_draft_tokens"] < 1:
         raise ValueError(f"--num-draft-tokens must be >= 1, got {s['num_draft_tokens']}")
-    if s["spec"] is not None and s["overlap"]:
-        raise ValueError("--spec runs the synchronous engine only (no --overlap)")
     for k in ("num_requests", "scale", "max_prompt", "max_output", "max_num_seqs", "block_size"):
         if s[k] < 1:
             raise ValueError(f"--{k.replace('_', '-')} must be >= 1, got {s[k]}")
@@ -233,9 +231,10 @@ def run_demo(args) -> dict:
     check_out_dir(args.out)
     model, tokenizer, info = load_model(s, device)
     vocab = model.config.vocab_size
-    if s["max_model_len"] + s["num_draft_tokens"] > model.config.max_position_embeddings:
-        raise ValueError(f"--max-prompt + --max-output = {s['max_model_len']} (+ "
-                         f"{s['num_draft_tokens']} draft positions) exceeds the model's "
+    reach = s["num_draft_tokens"] * (2 if s["overlap"] else 1)
+    if s["max_model_len"] + reach > model.config.max_position_embeddings:
+        raise ValueError(f"--max-prompt + --max-output = {s['max_model_len']} (+ {reach} draft "
+                         f"positions) exceeds the model's "
                          f"{model.config.max_position_embeddings} positions")
     slice_ = ztrace.trace_slice(s["trace"], s["start"], s["num_requests"], s["scale"],
                                 max_prompt=s["max_prompt"], max_output=s["max_output"])

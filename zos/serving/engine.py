@@ -48,12 +48,14 @@ class Engine:
     up to num_computed + K); after the step the engine reads each row's accepted tokens, appends
     them one by one with the stop checks (a row that reaches eos or max_new_tokens in the middle
     of its tokens stops there, the rest are dropped) and hands the counts to the backend
-    (``observe_accepted``). The block-table width covers max_model_len + K positions.
-    Speculative decoding runs the synchronous engine only (``overlap`` refused).
+    (``observe_accepted``). The block-table width covers max_model_len + K positions. With
+    ``overlap`` the host stages step t+1 before step t's counts arrive (zos's prep reads them on
+    the device): blocks then cover the bound num_computed + 2q of a row still in flight, the
+    width max_model_len + 2K, and the counts go to the backend one step late (steps_ago = 1).
 
     Raises ValueError: unknown backend/policy, num_kv_blocks too small for one request of
-    max_model_len, max_model_len (+ K) above the model's max_position_embeddings (RoPE table),
-    num_draft_tokens < 0, or overlap with draft tokens.
+    max_model_len, max_model_len (+ K, + 2K with overlap) above the model's
+    max_position_embeddings (RoPE table), or num_draft_tokens < 0.
     """
 
     def __init__(self, model, config: EngineConfig, device: torch.device | str = "cpu", *,
@@ -63,16 +65,15 @@ class Engine:
         k = cfg.num_draft_tokens
         if not isinstance(k, int) or k < 0:
             raise ValueError(f"num_draft_tokens must be an int >= 0, got {k!r}")
-        if k and overlap:
-            raise ValueError("speculative decoding (num_draft_tokens > 0) runs the synchronous "
-                             "engine only: overlap=True is not implemented with drafts")
-        # Draft rows write up to K positions past the last token a request can hold.
-        width = -(-(cfg.max_model_len + k) // bs)
+        # Draft rows write up to K positions past the last token a request can hold (2K when
+        # a step is staged before the previous step's accepted counts are known).
+        reach = k * (2 if overlap else 1)
+        width = -(-(cfg.max_model_len + reach) // bs)
         if cfg.num_kv_blocks - 1 < width:
             raise ValueError(f"num_kv_blocks {cfg.num_kv_blocks} cannot hold one request of "
                              f"max_model_len {cfg.max_model_len} ({width} blocks + null block)")
-        if cfg.max_model_len + k > c.max_position_embeddings:
-            raise ValueError(f"max_model_len {cfg.max_model_len} (+ {k} draft positions) "
+        if cfg.max_model_len + reach > c.max_position_embeddings:
+            raise ValueError(f"max_model_len {cfg.max_model_len} (+ {reach} draft positions) "
                              f"exceeds the model's max_position_embeddings "
                              f"{c.max_position_embeddings}")
         if cfg.backend not in ("zos", "host"):

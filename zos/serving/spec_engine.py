@@ -3,8 +3,11 @@
 Split from engine.py to keep it small; these functions use the :class:`Engine`'s state. Unlike
 plain decode, a row advances by its accepted count, known only after the step: every running
 row is looked at in every step (no wake-up schedule), blocks are allocated for the worst case
-(positions num_computed .. num_computed + K all written), and the accepted counts go back to the
-backend (``observe_accepted``) before the next step is staged.
+and the accepted counts go back to the backend (``observe_accepted``). ``num_computed`` is exact
+as of the last step read back. Synchronous engine: step t is read back before t + 1 is staged,
+so a row writes positions num_computed .. num_computed + K. Overlapped engine: step t + 1 is
+staged while t runs, so a carried row may first advance by up to q in step t: its blocks cover
+num_computed + 2q, and its counts reach the backend one step late (steps_ago = 1).
 """
 from __future__ import annotations
 
@@ -16,14 +19,16 @@ from zos.step import DecodeStep
 
 
 def _ensure_blocks(eng, fresh: list) -> dict:
-    """Blocks so that every row (carried, in row order, then new) covers positions up to
-    num_computed + K; preempts the most recently admitted request when none is free. Returns
-    {request: blocks appended to a carried row}."""
+    """Blocks so that every row (carried, in row order, then new) covers the positions it may
+    write (see the module doc); preempts the most recently admitted request when none is free.
+    Returns {request: blocks appended to a carried row}."""
     bs, q, rows, row_of = eng.config.block_size, eng.buffers.uniform_decode_query_len, eng.rows, \
         eng._row_of
+    in_flight = q if eng.overlap and eng.readback.pending else 0  # carried rows' step t unread
     appended: dict = {}
     for req in [r for r in rows if r is not None] + list(fresh):
-        while (req in row_of or req in fresh) and len(req.blocks) * bs < req.num_computed + q:
+        reach = req.num_computed + q + (0 if req in fresh else in_flight)
+        while (req in row_of or req in fresh) and len(req.blocks) * bs < reach:
             got = eng.allocator.allocate(1)
             if got is not None:
                 req.blocks.append(got[0])
@@ -59,9 +64,9 @@ def decode_spec(eng, fresh: list):
                             {row_of[r]: (r.output[-1], r.num_computed, r.blocks) for r in fresh},
                             appends)
     res = eng.runner.decode(step)
-    eng._launches += 1
     eng.readback.push(eng.spec.output, list(rows))
-    eng._pending.append((set(), []))
+    eng._pending.append((set(), eng._launches))  # drops, and the launch it belongs to
+    eng._launches += 1
     return eng._record("decode", res.path, res.num_reqs, res.padded_size, res.prep_us,
                        res.upload_bytes, t0)
 
@@ -72,9 +77,10 @@ def drain_spec(eng) -> None:
     tokens stops it there; the rest are dropped). A request finished or preempted since the
     launch drops its tokens."""
     reqs, outs = eng.readback.pop()
-    drop, _ = eng._pending.popleft()
+    drop, launch = eng._pending.popleft()
     accepted = np.array([o[0] for o in outs], np.int32)
-    eng.backend.observe_accepted(accepted, 0)  # synchronous engine: the step staged last
+    # 0: the step staged last (synchronous engine); 1: the one before (overlap)
+    eng.backend.observe_accepted(accepted, eng._launches - 1 - launch)
     eng.spec_rows += len(reqs)
     eng.spec_tokens += int(accepted.sum())
     for req, out in zip(reqs, outs):
