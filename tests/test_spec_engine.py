@@ -105,10 +105,11 @@ def test_spec_equals_plain_greedy(llama, reference, k, seed, overlap):
 
 
 def test_length_stop_in_the_middle_of_drafts(llama):
-    """A repeating output that the drafter predicts: rows stop at max_new_tokens exactly, even when
-    the step kept more tokens; the run's totals report the acceptance."""
+    """Rows stop at max_new_tokens exactly, even when the step kept more tokens; the last request
+    reaches max_model_len (prompt 9 + 15 = 24) with drafts past it; the run's totals report the
+    acceptance."""
     k = 4
-    reqs = [Request(i, [7, 8, 9] * 3, n) for i, n in enumerate((2, 3, 6, 11))]
+    reqs = [Request(i, [7, 8, 9] * 3, n) for i, n in enumerate((2, 3, 6, 15))]
     want = {r.req_id: greedy_reference(llama, r.prompt, r.max_new_tokens) for r in reqs}
     cfg = EngineConfig(block_size=BS, num_kv_blocks=64, max_num_seqs=4, max_model_len=24,
                        buckets=[5, 10, 20], num_draft_tokens=k)
@@ -118,6 +119,9 @@ def test_length_stop_in_the_middle_of_drafts(llama):
     tot = res.totals
     assert tot["num_draft_tokens"] == k and 1 <= tot["mean_tokens_per_row"] <= 1 + k
     rows, kept = tot["spec_rows"], tot["spec_tokens"]
+    # the device kept more tokens than the requests took (one each came from the prefill): a
+    # row stopped in the middle of its accepted drafts and the rest were dropped
+    assert kept > sum(len(o) for o in res.outputs.values()) - len(reqs)
     assert tot["acceptance_rate"] == (kept - rows) / (k * rows)
 
 
