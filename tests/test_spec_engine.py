@@ -137,3 +137,17 @@ def test_spec_config_errors(llama):
         Engine(llama, EngineConfig(block_size=BS, num_kv_blocks=200,
                                    max_model_len=LLAMA_CFG.max_position_embeddings,
                                    num_draft_tokens=2), DEVICE)
+
+
+def test_admit_prefilled_writes_the_drafter_history(llama):
+    """A request admitted as prefilled (its KV taken as in the cache) has its prompt in the token
+    history at its slots, so the drafter can match it."""
+    cfg = EngineConfig(block_size=BS, num_kv_blocks=64, max_num_seqs=2, max_model_len=40,
+                       buckets=[3, 6], num_draft_tokens=2)
+    engine = Engine(llama, cfg, DEVICE)
+    prompt = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]
+    req = Request(5, prompt, 4)
+    engine.admit_prefilled(req, first_token=30)
+    cache = engine.spec.token_cache.cpu().tolist()
+    got = [cache[req.blocks[p // BS] * BS + p % BS] for p in range(len(prompt))]
+    assert got == prompt

@@ -171,6 +171,12 @@ class Engine:
         if blocks is None:
             raise ValueError(f"request {req.req_id}: not enough free KV blocks")
         req.blocks, req.num_computed = blocks, len(req.prompt)
+        if self.spec is not None:  # the drafter's history: the prompt at its slots
+            bs, pos = self.config.block_size, np.arange(len(req.prompt))
+            slots = np.asarray(blocks, np.int64)[pos // bs] * bs + pos % bs
+            self.spec.write_history(torch.tensor(req.prompt, dtype=torch.int32,
+                                                 device=self.device),
+                                    torch.from_numpy(slots).to(self.device))
         req.admit_seq, self._admitted = self._admitted, self._admitted + 1
         self._live.add(req.req_id)
         self._append(req, first_token)
@@ -211,11 +217,15 @@ class Engine:
 
         Totals: requests, steps, prefill_steps, decode_steps, graph_decode_steps,
         eager_decode_steps, tokens (generated), wall_s, tokens_per_s, graphs_captured,
-        preemptions, capture_s, metadata_us (sum over decode steps), upload_bytes (decode).
+        preemptions, capture_s, metadata_us (sum over decode steps), upload_bytes (decode); with
+        draft tokens also num_draft_tokens, spec_rows (request rows decoded), spec_tokens (tokens
+        kept by the verifier, including those dropped at a stop), mean_tokens_per_row and
+        acceptance_rate ((spec_tokens - spec_rows) / (k * spec_rows)).
         """
         reqs = sorted(requests, key=lambda r: r.arrival)
         self.add_requests(reqs)
         first, pre0, t0 = len(self.records), self.num_preemptions, time.perf_counter()
+        rows0, kept0 = self.spec_rows, self.spec_tokens
         while self.has_unfinished():
             self.step(progress)
         wall, steps = time.perf_counter() - t0, self.records[first:]
@@ -229,12 +239,11 @@ class Engine:
                       metadata_us=sum(s.metadata_us for s in dec),
                       upload_bytes=sum(s.upload_bytes for s in dec))
         if self.spec is not None:
-            k = self.config.num_draft_tokens
-            totals.update(num_draft_tokens=k, spec_rows=self.spec_rows,
-                          spec_tokens=self.spec_tokens,
-                          mean_tokens_per_row=self.spec_tokens / max(self.spec_rows, 1),
-                          acceptance_rate=(self.spec_tokens - self.spec_rows)
-                          / max(k * self.spec_rows, 1))
+            k, rows, kept = (self.config.num_draft_tokens, self.spec_rows - rows0,
+                             self.spec_tokens - kept0)
+            totals.update(num_draft_tokens=k, spec_rows=rows, spec_tokens=kept,
+                          mean_tokens_per_row=kept / max(rows, 1),
+                          acceptance_rate=(kept - rows) / max(k * rows, 1))
         return RunResult({r.req_id: list(r.output) for r in reqs}, steps, totals)
 
     # ---- internals -------------------------------------------------------------------------
