@@ -7,8 +7,11 @@ import random
 
 import pytest
 
+from zos import DecodeBuffers, DeviceMetadataBackend
 from zos.buffers import NULL_BLOCK, PAD_SLOT_ID
 from zos.serving.engine import Engine, EngineConfig, Request
+from zos.serving.runner import GraphRunner
+from zos.spec import SpecDecoder
 
 from helpers import DEVICE, LLAMA_BLOCK_SIZE, LLAMA_CFG, greedy_reference
 
@@ -126,6 +129,11 @@ def test_length_stop_in_the_middle_of_drafts(llama):
 
 
 def test_spec_config_errors(llama):
+    bufs = [DecodeBuffers(4, 8, BS, uniform_decode_query_len=3, device=DEVICE) for _ in range(2)]
+    backend = DeviceMetadataBackend(bufs[0], num_kv_blocks=40, vocab_size=VOCAB)
+    with pytest.raises(ValueError, match="over the backend's buffers"):
+        GraphRunner(llama, [], backend, use_cuda_graph=False,
+                    spec=SpecDecoder(bufs[1], num_kv_blocks=40, num_draft_tokens=2))
     with pytest.raises(ValueError, match=r"\+ 4 draft positions"):  # 2K under overlap
         Engine(llama, EngineConfig(block_size=BS, num_kv_blocks=200,
                                    max_model_len=LLAMA_CFG.max_position_embeddings - 3,
