@@ -34,7 +34,8 @@ def make_requests(seed, n=10):
 
 def watch_dummy_rows(engine):
     """After every decode step: token rows [N*q, padded) and request rows [N, padded/q) hold the
-    padding ledger's values; returns the (num_reqs, padded_size, path) seen."""
+    padding ledger's values, real rows the engine's blocks in order; returns the (num_reqs,
+    padded_size, path) seen."""
     seen, decode, q = [], engine.runner.decode, engine.buffers.uniform_decode_query_len
 
     def wrapped(step):
@@ -45,6 +46,8 @@ def watch_dummy_rows(engine):
         assert b.seq_lens[n:p // q].tolist() == [1] * (p // q - n)
         assert (b.block_table[n:p // q] == NULL_BLOCK).all()
         assert (b.slot_mapping[:n * q] >= 0).all()
+        for i, req in enumerate(engine.rows):  # the device's block table is the engine's
+            assert b.block_table[i, :len(req.blocks)].tolist() == req.blocks, i
         seen.append((n, p, res.path))
         return res
 
@@ -159,3 +162,27 @@ def test_admit_prefilled_writes_the_drafter_history(llama):
     cache = engine.spec.token_cache.cpu().tolist()
     got = [cache[req.blocks[p // BS] * BS + p % BS] for p in range(len(prompt))]
     assert got == prompt
+
+
+def test_blocks_appended_in_order_when_a_step_crosses_two(llama):
+    """Block size 1 and k = 4: a row that keeps a > 1 tokens gets a blocks in one step.
+    The allocator hands out ids in descending order, so the blocks a row gets in one step must
+    reach the device in the order the engine holds them (not sorted by id)."""
+    reqs = [Request(i, [7, 8, 9] * 3, n) for i, n in enumerate((6, 26))]  # output repeats
+    want = {r.req_id: greedy_reference(llama, r.prompt, r.max_new_tokens) for r in reqs}
+    cfg = EngineConfig(block_size=1, num_kv_blocks=96, max_num_seqs=2, max_model_len=40,
+                       buckets=[5, 10], num_draft_tokens=4)
+    engine = Engine(llama, cfg, DEVICE)
+    engine.allocator._free = type(engine.allocator._free)(sorted(engine.allocator._free,
+                                                                 reverse=True))
+    seen = watch_dummy_rows(engine)
+    appends, inner = [], engine.runner.decode
+
+    def decode(step):
+        appends.append(step.append_rows.tolist())
+        return inner(step)
+
+    engine.runner.decode = decode
+    res = engine.run(reqs)
+    assert res.outputs == want and seen
+    assert any(len(a) > len(set(a)) for a in appends), "no row got two blocks in one step"

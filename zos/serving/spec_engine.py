@@ -59,7 +59,9 @@ def decode_spec(eng, fresh: list):
         row_of[rows[i]] = i
     if not rows:
         return None
-    appends = sorted((row_of[r], b) for r, bl in appended.items() for b in bl)
+    # by row, each row's blocks in the order they were appended (a stable sort on the row)
+    appends = sorted(((row_of[r], b) for r, bl in appended.items() for b in bl),
+                     key=lambda e: e[0])
     step = DecodeStep.build([r.req_id for r in rows],
                             {row_of[r]: (r.output[-1], r.num_computed, r.blocks) for r in fresh},
                             appends)
