@@ -104,6 +104,11 @@ int64_t pack(zos::StepPacker& self, const py::handle& req_ids, const py::handle&
   return self.pack(in, static_cast<int32_t*>(out.mutable_data()), out.size());
 }
 
+void apply_accepted(zos::StepPacker& self, const py::handle& accepted, int64_t steps_ago) {
+  auto acc = checked<int32_t>(accepted, "accepted");
+  self.apply_accepted(ptr<int32_t>(acc), acc.size(), steps_ago);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -167,6 +172,16 @@ advances by q and their blocks carry over. Raises ValueError on any inconsistenc
 when null_block is 0 and 0 otherwise, a position
 not covered by the row's blocks, beyond max_num_blocks_per_req * block_size, more than
 max_num_reqs rows, record larger than ``out``); TypeError on wrong dtypes.)doc")
+      .def("apply_accepted", &apply_accepted, py::arg("accepted"), py::arg("steps_ago"),
+           R"doc(Exact accepted counts of an earlier step (speculative decoding, q > 1).
+
+Until a step's counts arrive, the mirror advances each carried row by q (every draft
+accepted), an upper bound of its position: validation then asks for the worst case's
+blocks. ``accepted`` int32 [P] (numpy, one count in [1, q] per row of that step) of
+the last packed step (``steps_ago`` = 0: the next pack advances each row by its count)
+or of the step before it (``steps_ago`` = 1: the last step's positions are lowered by
+q - count). Counts given twice change nothing more. Raises ValueError (nothing
+changed) on a wrong length, a count outside [1, q] or steps_ago not 0 or 1.)doc")
       .def("reset", &zos::StepPacker::reset,
            "Forget the previous step; every row of the next step must then be new.")
       .def_property_readonly("prev_num_reqs", &zos::StepPacker::prev_num_reqs,

@@ -37,8 +37,11 @@ StepPacker::StepPacker(const PackerConfig& cfg) : cfg_(cfg), index_(cfg.max_num_
          std::to_string(cfg.num_kv_blocks));
   const size_t r = static_cast<size_t>(cfg.max_num_reqs);
   for (auto* v : {&remap_, &rec_of_row_, &app_count_, &app_start_, &prev_pos0_, &prev_nblocks_,
-                  &curr_pos0_, &curr_nblocks_, &taken_by_})
+                  &curr_pos0_, &curr_nblocks_, &taken_by_, &prev_assumed_src_,
+                  &curr_assumed_src_})
     v->assign(r, 0);
+  prev_adv_.assign(r, static_cast<int32_t>(cfg.q));
+  curr_adv_.assign(r, static_cast<int32_t>(cfg.q));
   app_order_.reserve(r);
   moved_.reserve(r);
   prev_ids_.reserve(r);
@@ -47,6 +50,37 @@ StepPacker::StepPacker(const PackerConfig& cfg) : cfg_(cfg), index_(cfg.max_num_
 void StepPacker::reset() {
   prev_ids_.clear();
   index_.clear();
+  prev_prev_num_reqs_ = 0;
+}
+
+// With q > 1 a carried row advances by its accepted count, which reaches the host
+// one or two packs late. Until then the mirror advances it by q (every draft
+// accepted): an upper bound, so validation asks for the worst case's blocks. The
+// counts, when they arrive, replace the bound by the exact position.
+void StepPacker::apply_accepted(const int32_t* accepted, int64_t n, int64_t steps_ago) {
+  const int64_t want = steps_ago == 0 ? prev_num_reqs() : prev_prev_num_reqs_;
+  if (steps_ago != 0 && steps_ago != 1)
+    fail("steps_ago must be 0 (the last packed step) or 1 (the one before), got " +
+         std::to_string(steps_ago));
+  if (n != want)
+    fail("accepted: the step " + std::to_string(steps_ago) + " pack(s) ago had " +
+         std::to_string(want) + " rows, got " + std::to_string(n) + " counts");
+  for (int64_t j = 0; j < n; ++j)
+    if (accepted[j] < 1 || accepted[j] > cfg_.q)
+      fail("accepted[" + std::to_string(j) + "] = " + std::to_string(accepted[j]) +
+           " is outside [1, q = " + std::to_string(cfg_.q) + "]");
+  if (steps_ago == 0) {
+    std::copy_n(accepted, n, prev_adv_.begin());
+    return;
+  }
+  const int64_t p = prev_num_reqs();
+  for (int64_t i = 0; i < p; ++i) {
+    const int32_t j = prev_assumed_src_[i];
+    if (j >= 0) {
+      prev_pos0_[i] -= static_cast<int32_t>(cfg_.q) - accepted[j];
+      prev_assumed_src_[i] = -1;
+    }
+  }
 }
 
 // remap_[i] = row of the previous step holding curr[i], or -1. A row whose
@@ -196,13 +230,14 @@ int64_t StepPacker::pack(const StepInput& in, int32_t* out, int64_t capacity) {
       const int32_t k = rec[i];
       pos0[i] = in.new_positions[k];
       nblocks[i] = in.new_block_indptr[k + 1] - in.new_block_indptr[k];
+      curr_assumed_src_[i] = -1;
       continue;
     }
     const int32_t j = rm[i];
     if (j < 0)
       fail("new_rows: " + row_str(i, in.req_ids[i]) +
            " was not in the previous step and has no new-row payload");
-    const int64_t pos = prev_pos[j] + q;
+    const int64_t pos = prev_pos[j] + prev_adv_[j];
     const int64_t nb = prev_nb[j] + apps[i];
     if (nb > w || pos + q > max_len || pos + q > nb * bs) {  // no division on this path
       const std::string who = row_str(i, in.req_ids[i]);
@@ -218,6 +253,8 @@ int64_t StepPacker::pack(const StepInput& in, int32_t* out, int64_t capacity) {
     }
     pos0[i] = static_cast<int32_t>(pos);
     nblocks[i] = static_cast<int32_t>(nb);
+    // q > 1: a count still assumed (q) is corrected when it arrives, steps_ago = 1.
+    curr_assumed_src_[i] = (q > 1 && prev_adv_[j] == q) ? j : -1;
     if (apps[i] > 0) {
       rec[i] = static_cast<int32_t>(m_total++);
       app_order_.push_back(static_cast<int32_t>(i));
@@ -273,7 +310,10 @@ int64_t StepPacker::pack(const StepInput& in, int32_t* out, int64_t capacity) {
   }
   for (int64_t e = 0; e < in.a; ++e) blocks[app_start_[in.append_rows[e]]++] = in.append_block_ids[e];
 
+  prev_prev_num_reqs_ = p;
   commit_index(in);
+  std::fill_n(prev_adv_.begin(), n, static_cast<int32_t>(q));  // worst case until counts arrive
+  std::swap(prev_assumed_src_, curr_assumed_src_);
   std::swap(prev_pos0_, curr_pos0_);
   std::swap(prev_nblocks_, curr_nblocks_);
   return words;

@@ -46,6 +46,13 @@ class StepPacker {
   // into out[0, words) and returns words. Throws std::invalid_argument naming
   // the field, row and value; on a throw neither `out` nor the mirror changed.
   int64_t pack(const StepInput& in, int32_t* out, int64_t capacity);
+  // Exact accepted counts (tokens each row kept, in [1, q]) of the last packed
+  // step (steps_ago = 0) or of the one before it (steps_ago = 1), one per row of
+  // that step. Until a step's counts arrive the mirror assumes every draft was
+  // accepted (an upper bound of each position); they tighten it. Throws
+  // std::invalid_argument (nothing changed) on a wrong length, a count outside
+  // [1, q], or steps_ago not 0 or 1.
+  void apply_accepted(const int32_t* accepted, int64_t n, int64_t steps_ago);
   // Forgets the previous step: every row of the next step must be new.
   void reset();
   int64_t prev_num_reqs() const { return static_cast<int64_t>(prev_ids_.size()); }
@@ -65,6 +72,11 @@ class StepPacker {
   std::vector<int32_t> moved_;     // rows whose request is not where it was
   std::vector<int64_t> prev_ids_;
   std::vector<int32_t> prev_pos0_, prev_nblocks_, curr_pos0_, curr_nblocks_;
+  // Speculative decoding: per row of the last packed step, the advance to its next
+  // position (q until its accepted count is known) and the row of the step before
+  // whose count was assumed q when its position was set (-1: exact).
+  std::vector<int32_t> prev_adv_, curr_adv_, prev_assumed_src_, curr_assumed_src_;
+  int64_t prev_prev_num_reqs_ = 0;
 };
 
 }  // namespace zos

@@ -235,12 +235,6 @@ def test_departed_request_needs_payload_to_return(kind):
     assert md.positions.tolist() == [2, 1] and md.slot_mapping.tolist() == [30, 33]
 
 
-def test_speculative_rows_rejected():
-    bufs = DecodeBuffers(4, W, BS, uniform_decode_query_len=2, device=DEVICE)
-    with pytest.raises(ValueError, match="buffers.uniform_decode_query_len must be 1"):
-        DeviceMetadataBackend(bufs, num_kv_blocks=NUM_BLOCKS, vocab_size=VOCAB)
-
-
 def test_empty_step_zeroes_counts():
     b = make("device")
     b.prepare(DecodeStep.build([1, 2], {0: (5, 0, [7]), 1: (6, 0, [8])}))

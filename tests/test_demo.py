@@ -134,6 +134,29 @@ def test_demo_overlap_same_tokens_as_sync(tiny, tmp_path):
     assert rep["samples"] == sync["samples"]
 
 
+def test_demo_spec_same_tokens_as_plain(tiny, tmp_path):
+    """``--spec ngram --num-draft-tokens 3``: both backends' tokens identical, equal to the plain
+    run's; the report gives the acceptance."""
+    out = tmp_path / "spec"
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(io.StringIO()):
+        rc = main(TINY + ["--spec", "ngram", "--num-draft-tokens", "3", "--out", str(out)])
+    assert rc == 0 and "identical tokens: YES" in stdout.getvalue()
+    assert "draft acceptance rate" in stdout.getvalue()
+    rep = json.loads((out / "report.json").read_text())
+    sync = json.loads((tiny[3] / "report.json").read_text())
+    assert rep["setup"]["num_draft_tokens"] == 3 and sync["setup"]["num_draft_tokens"] == 0
+    assert rep["samples"] == sync["samples"]
+    tot = rep["backends"]["zos"]["totals"]
+    assert tot["tokens"] == sync["backends"]["zos"]["totals"]["tokens"]
+    assert 0 <= tot["acceptance_rate"] <= 1 and tot["spec_rows"] > 0
+    for bad in (["--num-draft-tokens", "2"], ["--spec", "ngram", "--num-draft-tokens", "0"]):
+        err = io.StringIO()
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+            assert main(TINY + bad + ["--out", str(tmp_path / "bad")]) == 2
+        assert "draft" in err.getvalue() or "--spec" in err.getvalue()
+
+
 def test_demo_on_cpu_compares_no_times(tiny):
     """On a CPU the report compares no times (zos's are Triton's interpreter): no ratio in the
     table, the md or the json; time rows say what they are; bytes are not called H2D."""

@@ -70,7 +70,7 @@ def test_prefill_and_errors(llama):
         runner.prefill([([1] * 5, [1])])
     with pytest.raises(ValueError, match="empty"):
         runner.decode(DecodeStep.build([]))
-    with pytest.raises(ValueError, match="uniform_decode_query_len must be 1"):
+    with pytest.raises(ValueError, match="needs a SpecDecoder"):
         make_runner(llama, "zos", q=2)
 
 

@@ -12,8 +12,9 @@ takes them from zos._C.staging, and tests/test_staging.py pins them.
 
 Masks that combine a per-row flag with a per-column mask are written
 ``tl.where(flag, mask, False)``: Triton's CPU interpreter rejects the plain
-``flag & mask`` broadcast. Only token row t = 0 of a request gets its input
-token here (q = 1 is what the backends accept today).
+``flag & mask`` broadcast. Token row t = 0 of a real request gets its input
+token here, rows 1..q-1 the pad token: with draft tokens (q > 1) the drafter of
+zos/spec.py writes them after prep, inside the same graph.
 
 Permutations are made safe by a gather to scratch: ``snapshot_moved_rows``
 copies the previous state of every row that moves (remap[r] = j != r) into
@@ -143,7 +144,9 @@ def rebuild_rows(staging_ptr, sampled_ptr, accepted_ptr,
         slot = blk.to(tl.int64) * block_size + (pos % block_size).to(tl.int64)
         tl.store(positions_ptr + tok_rows, pos, mask=tmask)
         tl.store(slot_mapping_ptr + tok_rows, slot, mask=tmask)
-        tl.store(input_ids_ptr + tok_rows, token + t * 0, mask=tmask & (t == 0))
+        # Row 0: the token sampled (or, with drafts, the last one accepted); rows 1..q-1
+        # the pad token until a drafter (zos/spec.py) writes its draft tokens there.
+        tl.store(input_ids_ptr + tok_rows, tl.where(t == 0, token, pad_token_id), mask=tmask)
         tl.store(seq_lens_ptr + r, pos0 + Q)
     else:
         # Dummy row: the padding ledger of docs/ZOS.md, values of the PaddingProfile.

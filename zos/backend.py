@@ -50,7 +50,7 @@ class MetadataBackend:
         buckets: bucket table in token rows; None runs every step unpadded.
 
     Raises:
-        ValueError: q != 1, a bucket larger than the buffers or not divisible by q,
+        ValueError: a bucket larger than the buffers or not divisible by q,
             ``buffers.pad_token_id`` outside [0, vocab_size), a padding profile that does not
             fit the pool (``PaddingProfile.check_pool``), or a packer size out of range.
     """
@@ -60,11 +60,6 @@ class MetadataBackend:
     def __init__(self, buffers: DecodeBuffers, *, num_kv_blocks: int, vocab_size: int,
                  buckets: BucketTable | None = None) -> None:
         q = buffers.uniform_decode_query_len
-        if q != 1:
-            # The layout carries q token rows per request, but the packer's mirror advances a
-            # carried row by q: with drafts it must learn the accepted counts (one step late).
-            raise ValueError(f"buffers.uniform_decode_query_len must be 1 (speculative decoding "
-                             f"is not implemented in the backends yet), got {q}")
         if buckets is not None and buckets.max_size > buffers.max_num_reqs * q:
             raise ValueError(f"buckets.max_size {buckets.max_size} exceeds the buffers' "
                              f"{buffers.max_num_reqs * q} token rows")
@@ -171,6 +166,30 @@ class MetadataBackend:
         if md is None:
             md = self._metadata[key] = self.buffers.views(plan.num_reqs, plan.padded_size)
         return md
+
+    def observe_accepted(self, accepted, steps_ago: int) -> None:
+        """Hand the packer the exact accepted counts of an earlier step (q > 1).
+
+        With draft tokens a carried row advances by its accepted count (1 + accepted drafts,
+        in [1, q]), which the device knows at once and the host one step late. Until the counts
+        of a step arrive, the packer's mirror advances each row by q, every draft accepted: an
+        upper bound, so validation asks for the blocks of that worst case (the scheduler
+        allocates them; vLLM does the same for its draft slots). Giving the counts tightens the
+        mirror to the exact positions.
+
+        Args:
+            accepted: int32 numpy [P], the counts of each row of that step, in [1, q]
+                (``buffers.accepted[:P]`` copied back).
+            steps_ago: 0 for the last staged step (a synchronous engine, before staging the
+                next), 1 for the one before (an overlapped engine, which reads step t - 1's
+                output while step t runs). Call it for every step, with one of the two, or the
+                bound drifts by q - count per step and valid steps are refused.
+
+        Raises:
+            ValueError: a wrong length, a count outside [1, q], steps_ago not 0 or 1 (nothing
+                changed).
+        """
+        self.packer.apply_accepted(accepted, steps_ago)
 
     def reset(self) -> None:
         """Forget the previous step (every row of the next step must be new)."""

@@ -10,6 +10,8 @@ block table is uploaded compacted to the columns in use (B x C, not B x W).
 """
 from __future__ import annotations
 
+import time
+
 import numba
 import numpy as np
 import torch
@@ -84,6 +86,8 @@ def _make_build_rows(HEADER_WORDS, RECORD_WORDS, NUM_REQS, NUM_RECORDS,
                     slot_mapping[r * q + t] = (np.int64(block_table[r, p // block_size])
                                                * block_size + p % block_size)
                 input_ids[r * q] = token
+                for t in range(1, q):  # draft rows: a drafter on the device fills them
+                    input_ids[r * q + t] = pad_token_id
                 seq_lens[r] = pos0 + q
             else:
                 block_table[r, :old_nb] = null_block
@@ -124,7 +128,14 @@ class HostMetadataBackend(MetadataBackend):
     rest, 4N bytes), as vLLM V1 does under async scheduling, so ``stage`` never waits for the
     previous step's tokens and the host can run a step ahead of the GPU (an overlapped engine).
 
-    Args: see :class:`MetadataBackend`; ``input_ids_from_device`` as above (q = 1).
+    With draft tokens (q > 1) every ``stage`` also reads the previous step's accepted counts
+    back synchronously (``buffers.accepted``, P int32), in both modes: the positions of
+    carried rows depend on them. That wait is what a host-built path pays for speculative
+    decoding; ``accepted_wait_seconds`` sums it. Token rows 1..q-1 of each request get the pad
+    token here (as in the prep kernels); a drafter on the device (``zos.spec``) writes them
+    after the copies.
+
+    Args: see :class:`MetadataBackend`; ``input_ids_from_device`` as above.
     """
 
     name = "host"
@@ -152,7 +163,12 @@ class HostMetadataBackend(MetadataBackend):
         self._row_src_dev = torch.zeros(r, dtype=torch.int32, device=b.device)
         self._gather_idx = torch.zeros(r, dtype=torch.int32, device=b.device)
         self._gathered = torch.zeros(r, dtype=torch.int32, device=b.device)
-        self._accepted = np.ones(r, np.int32)  # plain decode (q = 1): one token per row
+        # Tokens each previous row kept: 1 in plain decode; with drafts (q > 1) read back
+        # synchronously in every stage (a host-built batch cannot place its positions
+        # otherwise), the time spent waiting summed in ``accepted_wait_seconds``.
+        self._accepted = pinned(r, fill=1)
+        self._accepted_np = self._accepted.numpy()
+        self.accepted_wait_seconds = 0.0
         self._bt_compact = pinned(r * w)
         self._bt_device = torch.zeros(r * w, dtype=torch.int32, device=b.device)
         self._record = np.zeros(b.staging.numel(), np.int32)
@@ -168,10 +184,15 @@ class HostMetadataBackend(MetadataBackend):
 
     def _stage(self, step: DecodeStep, min_padded_size: int = 0) -> StepPlan:
         """Pack, rebuild on the host and enqueue the copies of rows [0, bucket)."""
-        b, h = self.buffers, self._h
+        b, h, q = self.buffers, self._h, self.buffers.uniform_decode_query_len
         if self._fence is not None:
             self._fence.synchronize()  # the last step's copies have read the pinned arrays
         prev = self.packer.prev_num_reqs
+        if prev and q > 1:  # the positions of carried rows depend on the accepted counts
+            t0 = time.perf_counter()
+            self._accepted[:prev].copy_(b.accepted[:prev])  # synchronous read-back
+            self.accepted_wait_seconds += time.perf_counter() - t0
+            self.packer.apply_accepted(self._accepted_np[:prev], 0)
         self.packer.pack(step.req_ids, step.new_rows, step.new_tokens, step.new_positions,
                          step.new_block_indptr, step.new_block_ids, step.append_rows,
                          step.append_block_ids, self._record)
@@ -180,7 +201,7 @@ class HostMetadataBackend(MetadataBackend):
             self._sampled[:prev].copy_(b.sampled[:prev])  # synchronous read-back
         t, r = plan.padded_size, plan.padded_size // b.uniform_decode_query_len
         a = self._np
-        cols = _build_rows(self._record, a["sampled"], self._accepted,
+        cols = _build_rows(self._record, a["sampled"], self._accepted_np,
                            b.uniform_decode_query_len, b.block_size,
                            b.pad_token_id, b.seq_len_fill, b.padding.pad_slot_id,
                            b.padding.null_block, r, a["input_ids"], a["positions"],
@@ -208,7 +229,8 @@ class HostMetadataBackend(MetadataBackend):
             idx, got = self._gather_idx[:n], self._gathered[:n]
             torch.clamp(src, min=0, out=idx)
             torch.index_select(b.sampled, 0, idx, out=got)
-            torch.where(src >= 0, got, b.input_ids[:n], out=b.input_ids[:n])
+            row0 = b.input_ids[: n * q: q]  # token row 0 of each request row
+            torch.where(src >= 0, got, row0, out=row0)
         if self._fence is not None:
             self._fence.record()
         self.last_upload_bytes = nbytes

@@ -255,6 +255,10 @@ DEMO_FLAGS = (
                                       "are evicted (default: no bound)")),
     ("--overlap", dict(action="store_true", help="overlapped engine: the host schedules and "
                        "stages step t+1 while the GPU runs step t (tokens read one step late)")),
+    ("--spec", dict(choices=("ngram",), help="speculative decoding with the n-gram "
+                    "(prompt-lookup) drafter and greedy verification on the device")),
+    ("--num-draft-tokens", dict(type=int, help="draft tokens per request and step with --spec "
+                                "(default 2)")),
     ("--out", dict(default="zos-demo-out", help="report directory, created if missing and "
                    "checked for writing before the run (default zos-demo-out)")),
     ("--seed", dict(type=int, default=0, help="prompt windows and random weights (default 0)")),

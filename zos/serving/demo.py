@@ -52,7 +52,14 @@ def resolve_settings(args, cuda: bool) -> dict:
              num_kv_blocks=args.num_kv_blocks, graphs=cuda and not args.no_graphs,
              weights=args.weights, tiny=bool(args.tiny), overlap=bool(args.overlap),
              graph_capture=getattr(args, "graph_capture", None) or "eager",
-             graph_memory_budget=_budget_bytes(getattr(args, "graph_memory_budget_mb", None)))
+             graph_memory_budget=_budget_bytes(getattr(args, "graph_memory_budget_mb", None)),
+             spec=getattr(args, "spec", None))
+    k = getattr(args, "num_draft_tokens", None)
+    if s["spec"] is None and k is not None:
+        raise ValueError("--num-draft-tokens needs --spec ngram")
+    s["num_draft_tokens"] = 0 if s["spec"] is None else (2 if k is None else k)
+    if s["spec"] is not None and s["num_draft_tokens"] < 1:
+        raise ValueError(f"--num-draft-tokens must be >= 1, got {s['num_draft_tokens']}")
     for k in ("num_requests", "scale", "max_prompt", "max_output", "max_num_seqs", "block_size"):
         if s[k] < 1:
             raise ValueError(f"--{k.replace('_', '-')} must be >= 1, got {s[k]}")
@@ -159,7 +166,8 @@ def engine_config(s: dict, backend: str) -> EngineConfig:
                         max_num_seqs=s["max_num_seqs"], max_model_len=s["max_model_len"],
                         eos_token_id=None, backend=backend, use_cuda_graph=s["graphs"],
                         bucket_policy=policy, graph_capture=s["graph_capture"],
-                        graph_memory_budget=s["graph_memory_budget"])
+                        graph_memory_budget=s["graph_memory_budget"],
+                        num_draft_tokens=s.get("num_draft_tokens", 0))
 
 
 def _bar(total: int, desc: str, quiet: bool):
@@ -241,9 +249,11 @@ def run_demo(args) -> dict:
     check_out_dir(args.out)
     model, tokenizer, info = load_model(s, device)
     vocab = model.config.vocab_size
-    if s["max_model_len"] > model.config.max_position_embeddings:
-        raise ValueError(f"--max-prompt + --max-output = {s['max_model_len']} exceeds the "
-                         f"model's {model.config.max_position_embeddings} positions")
+    reach = s["num_draft_tokens"] * (2 if s["overlap"] else 1)
+    if s["max_model_len"] + reach > model.config.max_position_embeddings:
+        raise ValueError(f"--max-prompt + --max-output = {s['max_model_len']} (+ {reach} draft "
+                         f"positions) exceeds the model's "
+                         f"{model.config.max_position_embeddings} positions")
     slice_ = ztrace.trace_slice(s["trace"], s["start"], s["num_requests"], s["scale"],
                                 max_prompt=s["max_prompt"], max_output=s["max_output"])
     if s["num_kv_blocks"] is None:
@@ -256,7 +266,8 @@ def run_demo(args) -> dict:
         f"scaled 1/{s['scale']}, prompts from {source}")
     say(f"  max_num_seqs {s['max_num_seqs']}, block {s['block_size']}, num_kv_blocks "
         f"{s['num_kv_blocks']}, max_model_len {s['max_model_len']}, buckets "
-        f"{s['bucket_policy']}, graphs {'on' if s['graphs'] else 'off'}")
+        f"{s['bucket_policy']}, graphs {'on' if s['graphs'] else 'off'}"
+        + (f", spec {s['spec']} k={s['num_draft_tokens']}" if s["spec"] else ""))
     warm_up(model, s, device, prompts)
     runs, outs, profiled = {}, {}, {}
     for backend in ("host", "zos"):

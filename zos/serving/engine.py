@@ -22,7 +22,9 @@ from zos.serving.kv_blocks import BlockAllocator
 from zos.serving.models import allocate_kv_cache
 from zos.serving.readback import SampledReadback
 from zos.serving.runner import GraphRunner, check_graph_options
+from zos.serving.spec_engine import decode_spec, drain_spec
 from zos.serving.types import EngineConfig, Request, RunResult, StepRecord, make_buckets
+from zos.spec import SpecDecoder
 from zos.step import DecodeStep
 
 
@@ -40,21 +42,40 @@ class Engine:
     under preemption comes from stream order: a freed block's next owner is written by work
     enqueued after the step that last wrote it. Tokens are identical with and without overlap.
 
+    Speculative decoding (``config.num_draft_tokens`` K > 0): every decode step runs q = 1 + K
+    token rows per request (n-gram drafts, greedy verification, all in the decode graph, see
+    :mod:`zos.spec`); blocks are allocated for the worst case (every draft accepted: positions
+    up to num_computed + K); after the step the engine reads each row's accepted tokens, appends
+    them one by one with the stop checks (a row that reaches eos or max_new_tokens in the middle
+    of its tokens stops there, the rest are dropped) and hands the counts to the backend
+    (``observe_accepted``). The block-table width covers max_model_len + K positions. With
+    ``overlap`` the host stages step t+1 before step t's counts arrive (zos's prep reads them on
+    the device): blocks then cover the bound num_computed + 2q of a row still in flight, the
+    width max_model_len + 2K, and the counts go to the backend one step late (steps_ago = 1).
+
     Raises ValueError: unknown backend/policy, num_kv_blocks too small for one request of
-    max_model_len, or max_model_len above the model's max_position_embeddings (RoPE table).
+    max_model_len, max_model_len (+ K, + 2K with overlap) above the model's
+    max_position_embeddings (RoPE table), or num_draft_tokens < 0.
     """
 
     def __init__(self, model, config: EngineConfig, device: torch.device | str = "cpu", *,
                  overlap: bool = False) -> None:
         c, cfg, bs = model.config, config, config.block_size
         self.model, self.config, self.device = model, config, torch.device(device)
-        width = -(-cfg.max_model_len // bs)
+        k = cfg.num_draft_tokens
+        if not isinstance(k, int) or k < 0:
+            raise ValueError(f"num_draft_tokens must be an int >= 0, got {k!r}")
+        # Draft rows write up to K positions past the last token a request can hold (2K when
+        # a step is staged before the previous step's accepted counts are known).
+        reach = k * (2 if overlap else 1)
+        width = -(-(cfg.max_model_len + reach) // bs)
         if cfg.num_kv_blocks - 1 < width:
             raise ValueError(f"num_kv_blocks {cfg.num_kv_blocks} cannot hold one request of "
                              f"max_model_len {cfg.max_model_len} ({width} blocks + null block)")
-        if cfg.max_model_len > c.max_position_embeddings:
-            raise ValueError(f"max_model_len {cfg.max_model_len} exceeds the model's "
-                             f"max_position_embeddings {c.max_position_embeddings}")
+        if cfg.max_model_len + reach > c.max_position_embeddings:
+            raise ValueError(f"max_model_len {cfg.max_model_len} (+ {reach} draft positions) "
+                             f"exceeds the model's max_position_embeddings "
+                             f"{c.max_position_embeddings}")
         if cfg.backend not in ("zos", "host"):
             raise ValueError(f"backend: expected 'zos' or 'host', got {cfg.backend!r}")
         check_graph_options(cfg.graph_capture, cfg.graph_memory_budget)
@@ -63,17 +84,21 @@ class Engine:
                                            c.num_key_value_heads, c.head_dim,
                                            model.embed_tokens.dtype, self.device)
         self.buffers = DecodeBuffers(cfg.max_num_seqs, width, bs, device=self.device,
-                                     pad_token_id=0, seq_len_fill=1)
+                                     pad_token_id=0, seq_len_fill=1,
+                                     uniform_decode_query_len=1 + k)
         kw = dict(num_kv_blocks=cfg.num_kv_blocks, vocab_size=c.vocab_size, buckets=buckets)
         # Under overlap the host-built baseline gathers input ids on the device (vLLM V1's
         # async scheduling) instead of reading the last tokens back, which would wait.
         self.backend = (DeviceMetadataBackend(self.buffers, capture_prep=False, **kw)
                         if cfg.backend == "zos" else
                         HostMetadataBackend(self.buffers, input_ids_from_device=overlap, **kw))
+        self.spec = (SpecDecoder(self.buffers, num_kv_blocks=cfg.num_kv_blocks,
+                                 num_draft_tokens=k) if k else None)
         self.runner = GraphRunner(model, self.kv_caches, self.backend,
                                   use_cuda_graph=cfg.use_cuda_graph,
                                   graph_capture=cfg.graph_capture,
-                                  graph_memory_budget=cfg.graph_memory_budget)
+                                  graph_memory_budget=cfg.graph_memory_budget,
+                                  spec=self.spec)
         self.runner.capture()
         self.allocator = BlockAllocator(cfg.num_kv_blocks)
         self.waiting: deque[Request] = deque()
@@ -81,7 +106,10 @@ class Engine:
         self.records: list[StepRecord] = []
         self.num_preemptions, self.num_steps, self._admitted = 0, 0, 0
         self.overlap = overlap
-        self.readback = SampledReadback(cfg.max_num_seqs, self.device)
+        self.readback = SampledReadback(cfg.max_num_seqs, self.device,
+                                        width=k + 2 if k else 1)
+        # Speculative decoding: decode rows run, tokens kept (1 + accepted drafts per row).
+        self.spec_rows, self.spec_tokens = 0, 0
         self._prefilled: list[Request] = []  # admitted with their KV in place: next decode
         self._live: set[int] = set()  # req_ids waiting or running (not finished)
         # Per-row state kept incrementally, so that a step with no change costs little Python
@@ -147,6 +175,12 @@ class Engine:
         if blocks is None:
             raise ValueError(f"request {req.req_id}: not enough free KV blocks")
         req.blocks, req.num_computed = blocks, len(req.prompt)
+        if self.spec is not None:  # the drafter's history: the prompt at its slots
+            bs, pos = self.config.block_size, np.arange(len(req.prompt))
+            slots = np.asarray(blocks, np.int64)[pos // bs] * bs + pos % bs
+            self.spec.write_history(torch.tensor(req.prompt, dtype=torch.int32,
+                                                 device=self.device),
+                                    torch.from_numpy(slots).to(self.device))
         req.admit_seq, self._admitted = self._admitted, self._admitted + 1
         self._live.add(req.req_id)
         self._append(req, first_token)
@@ -167,13 +201,14 @@ class Engine:
             out.append(self._prefill(fresh))
             fresh = [r for r in fresh if r.finish_reason is None]
         fresh, self._prefilled = fresh + self._prefilled, []
-        rec = self._decode(fresh) if fresh or self._row_of else None
+        decode = self._decode_spec if self.spec is not None else self._decode
+        rec = decode(fresh) if fresh or self._row_of else None
         out += [rec] if rec is not None else []
         # Tokens of earlier steps: all of them in sync mode; all but the step just launched
         # under overlap (read while the GPU runs it), or all when nothing was launched.
         keep = 1 if self.overlap and rec is not None else 0
         while len(self.readback.pending) > keep:
-            self._drain()
+            self._drain_spec() if self.spec is not None else self._drain()
         for rec in out:
             self.records.append(rec)
             if progress is not None:
@@ -187,11 +222,15 @@ class Engine:
         Totals: requests, steps, prefill_steps, decode_steps, graph_decode_steps,
         eager_decode_steps, tokens (generated), wall_s, tokens_per_s, graphs_captured (lazy:
         re-captures included), graph_evictions, preemptions, capture_s (so far), metadata_us
-        (sum over decode steps), upload_bytes (decode).
+        (sum over decode steps), upload_bytes (decode); with draft tokens also num_draft_tokens,
+        spec_rows (request rows decoded), spec_tokens (tokens kept by the verifier, including
+        those dropped at a stop), mean_tokens_per_row and acceptance_rate
+        ((spec_tokens - spec_rows) / (k * spec_rows)).
         """
         reqs = sorted(requests, key=lambda r: r.arrival)
         self.add_requests(reqs)
         first, pre0, t0 = len(self.records), self.num_preemptions, time.perf_counter()
+        rows0, kept0 = self.spec_rows, self.spec_tokens
         while self.has_unfinished():
             self.step(progress)
         wall, steps = time.perf_counter() - t0, self.records[first:]
@@ -206,6 +245,12 @@ class Engine:
                       capture_s=self.runner.capture_seconds,
                       metadata_us=sum(s.metadata_us for s in dec),
                       upload_bytes=sum(s.upload_bytes for s in dec))
+        if self.spec is not None:
+            k, rows, kept = (self.config.num_draft_tokens, self.spec_rows - rows0,
+                             self.spec_tokens - kept0)
+            totals.update(num_draft_tokens=k, spec_rows=rows, spec_tokens=kept,
+                          mean_tokens_per_row=kept / max(rows, 1),
+                          acceptance_rate=(kept - rows) / max(k * rows, 1))
         return RunResult({r.req_id: list(r.output) for r in reqs}, steps, totals)
 
     # ---- internals -------------------------------------------------------------------------
@@ -344,6 +389,12 @@ class Engine:
         self._pending.append((set(), due))
         return self._record("decode", res.path, res.num_reqs, res.padded_size, res.prep_us,
                             res.upload_bytes, t0, res.eager_reason)
+
+    def _decode_spec(self, fresh: list[Request]) -> StepRecord | None:
+        return decode_spec(self, fresh)
+
+    def _drain_spec(self) -> None:
+        drain_spec(self)
 
     def _drain(self) -> None:
         """Append the tokens of the oldest pending decode step. A request that finished or was

@@ -32,23 +32,26 @@ class Pending:
 
 
 class SampledReadback:
-    """A ring of ``depth`` pinned int32 buffers of ``max_num_reqs`` entries.
+    """A ring of ``depth`` pinned int32 buffers of ``max_num_reqs`` x ``width`` entries.
 
     Args:
         max_num_reqs: rows per copy at most.
         device: where ``sampled`` lives; pinned memory and events only on CUDA.
         depth: copies that may be pending at once (>= 1; the engine needs 2 under overlap:
             one in flight while one is read).
+        width: int32 values per row (1: a sampled token; speculative decoding copies
+            ``SpecDecoder.output``, q + 1: the accepted count and the tokens).
 
     Raises:
         ValueError: depth < 1, or ``push`` with more pending copies than ``depth``.
     """
 
-    def __init__(self, max_num_reqs: int, device: torch.device, depth: int = 3) -> None:
+    def __init__(self, max_num_reqs: int, device: torch.device, depth: int = 3,
+                 width: int = 1) -> None:
         if depth < 1:
             raise ValueError(f"depth must be >= 1, got {depth}")
-        self.cuda = device.type == "cuda"
-        self._bufs = [torch.zeros(max_num_reqs, dtype=torch.int32, pin_memory=self.cuda)
+        self.cuda, self.width = device.type == "cuda", width
+        self._bufs = [torch.zeros((max_num_reqs, width), dtype=torch.int32, pin_memory=self.cuda)
                       for _ in range(depth)]
         self._events = [torch.cuda.Event() if self.cuda else None for _ in range(depth)]
         self._next = 0
@@ -56,23 +59,26 @@ class SampledReadback:
         self.wait_seconds = 0.0  # host time spent waiting in pop (benchmarks subtract it)
 
     def push(self, sampled: torch.Tensor, rows: list) -> None:
-        """Enqueue the copy of ``sampled[:len(rows)]`` (int32, on the device) on the current
-        stream, after the work that writes it; ``rows`` travels with it to :meth:`pop`."""
+        """Enqueue the copy of ``sampled[:len(rows)]`` (int32 [>= len(rows)], or [.., width],
+        on the device) on the current stream, after the work that writes it; ``rows`` travels
+        with it to :meth:`pop`."""
         if len(self.pending) == len(self._bufs):
             raise ValueError(f"{len(self.pending)} copies pending already (depth "
                              f"{len(self._bufs)}): pop one first")
         k, n = self._next, len(rows)
         self._next = (k + 1) % len(self._bufs)
-        self._bufs[k][:n].copy_(sampled[:n], non_blocking=self.cuda)
+        self._bufs[k][:n].copy_(sampled[:n].view(n, self.width), non_blocking=self.cuda)
         if self.cuda:
             self._events[k].record()
         self.pending.append(Pending(rows, k, self._events[k]))
 
     def pop(self) -> tuple[list, list[int]]:
-        """Wait for the oldest pending copy only; returns its ``rows`` and tokens (host ints)."""
+        """Wait for the oldest pending copy only; returns its ``rows`` and tokens (host ints;
+        with width > 1 one list of ``width`` ints per row)."""
         p = self.pending.popleft()
         if p.event is not None:
             t0 = time.perf_counter()
             p.event.synchronize()
             self.wait_seconds += time.perf_counter() - t0
-        return p.rows, self._bufs[p.slot][:len(p.rows)].tolist()
+        got = self._bufs[p.slot][:len(p.rows)]
+        return p.rows, (got[:, 0] if self.width == 1 else got).tolist()

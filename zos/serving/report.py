@@ -122,6 +122,7 @@ def build_report(s: dict, info: dict, slice_, runs: dict, profiled: dict, mismat
                    bucket_policy=s["bucket_policy"], graphs=s["graphs"], overlap=s["overlap"],
                    graph_capture=s.get("graph_capture", "eager"),
                    graph_memory_budget=s.get("graph_memory_budget"),
+                   spec=s.get("spec"), num_draft_tokens=s.get("num_draft_tokens", 0),
                    seed=s["seed"],
                    eos="ignored (outputs follow the trace's lengths)",
                    warm_up="2 short requests per backend, graphs off, before the timed runs"),
@@ -177,6 +178,9 @@ def table_rows(report: dict) -> list[tuple[str, str, str]]:
                      lambda x: _fmt(x["h2d_bytes_median"])),
                  row("upload bytes / decode step, median (counted by the backend)",
                      lambda x: _fmt(x["upload_bytes_median"]))]
+    if "acceptance_rate" in b["host"]["totals"]:
+        rows += [row("draft acceptance rate", tot("acceptance_rate", 3)),
+                 row("tokens per request row and step", tot("mean_tokens_per_row", 2))]
     rows += [row("graphs captured", tot("graphs_captured")),
              row("eager decode steps (why)", lambda x: _fmt(x["totals"]["eager_decode_steps"]) + (
                  " (" + ", ".join(f"{k} {v}" for k, v in sorted(x["eager_reasons"].items()))

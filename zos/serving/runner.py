@@ -11,6 +11,11 @@ Graphs are captured up front (``graph_capture="eager"``: every bucket before the
 lazily (``"lazy"``): a bucketed step whose size has no graph yet runs eagerly, and that eager run
 is the size's warm-up; its graph is captured right after, for the next step of that size
 (``zos.graphs.GraphCache``: a memory budget and least-recently-used eviction).
+
+With speculative decoding (a :class:`zos.spec.SpecDecoder`, q = 1 + K token rows per request)
+the graph holds prep, the n-gram drafter (draft tokens into token rows 1..K), the forward of all
+q rows, the argmax and the greedy verification, which writes ``buffers.accepted``,
+``buffers.sampled`` (the bonus token, the next step's row-0 input) and ``spec.output``.
 """
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ import torch
 from zos.backend import MetadataBackend
 from zos.buffers import StepMetadata
 from zos.graphs import EVICTED, NOT_CAPTURED, CudaGraphCapturer, GraphCache, warm_up
+from zos.spec import SpecDecoder
 from zos.step import DecodeStep
 
 
@@ -88,23 +94,28 @@ class GraphRunner:
             first step, see the module docstring).
         graph_memory_budget: lazy only: bytes the graph cache may hold (its shared pool plus
             each graph's own memory, ``zos.graphs.GraphCache``), or None for no bound.
+        spec: a SpecDecoder over the same buffers for speculative decoding (q = 1 + K), or None
+            (plain decode, q = 1).
 
     Raises:
-        ValueError: ``buffers.uniform_decode_query_len != 1`` (speculative decoding is not
-            implemented here), a device backend that captured its own prep graphs, an unknown
-            graph_capture, or a graph_memory_budget with eager capture or below 0.
+        ValueError: q != 1 without ``spec`` (or ``spec`` over other buffers), a device backend
+            that captured its own prep graphs, an unknown graph_capture, or a
+            graph_memory_budget with eager capture or below 0.
         TypeError: a graph_memory_budget that is not an int.
     """
 
     def __init__(self, model, kv_caches: Sequence[torch.Tensor], backend: MetadataBackend, *,
                  use_cuda_graph: bool, graph_capture: str = "eager",
-                 graph_memory_budget: int | None = None) -> None:
+                 graph_memory_budget: int | None = None, spec: SpecDecoder | None = None) -> None:
         check_graph_options(graph_capture, graph_memory_budget)
         self.model, self.kv_caches, self.backend = model, list(kv_caches), backend
         self.buffers = b = backend.buffers
-        if b.uniform_decode_query_len != 1:
-            raise ValueError(f"GraphRunner samples one token per row: uniform_decode_query_len "
-                             f"must be 1, got {b.uniform_decode_query_len}")
+        if spec is None and b.uniform_decode_query_len != 1:
+            raise ValueError(f"uniform_decode_query_len {b.uniform_decode_query_len} > 1 needs "
+                             f"a SpecDecoder (spec=) to verify the draft rows")
+        if spec is not None and spec.buffers is not b:
+            raise ValueError("spec must be built over the backend's buffers")
+        self.spec = spec
         if getattr(backend, "captures_prep", False):
             raise ValueError("the device backend must be built with capture_prep=False: its "
                              "build is captured inside this runner's graphs")
@@ -183,7 +194,8 @@ class GraphRunner:
     # ---- decode ----------------------------------------------------------------------------
 
     def decode(self, step: DecodeStep, *, min_padded_size: int = 0) -> DecodeResult:
-        """Run one decode step; sampled tokens land in ``buffers.sampled[:N]`` (on the device).
+        """Run one decode step; sampled tokens land in ``buffers.sampled[:N]`` (on the device;
+        with ``spec``, also ``buffers.accepted[:N]`` and ``spec.output[:N]``).
 
         Rows [N, padded_size) are dummy rows: their ``sampled`` entries keep their old values.
         The graph of the step's bucket is replayed if the cache holds it; otherwise the body runs
@@ -235,9 +247,11 @@ class GraphRunner:
     def _body(self, padded_size: int, build: bool = True, nvtx: bool = False) -> None:
         """Build (if asked), forward, sample for ``padded_size`` token rows; what a graph
         holds."""
-        b = self.buffers
+        b, spec = self.buffers, self.spec
         if build:
             self.backend.build(padded_size)
+        if spec is not None:
+            spec.propose(padded_size)  # draft tokens into token rows 1..K
         md = b.views(0, padded_size)
         if nvtx:
             self._push("zos.forward")
@@ -247,8 +261,12 @@ class GraphRunner:
                 self._pop()
                 self._push("zos.sample")
             tokens = self.model.compute_logits(hidden).argmax(-1).to(torch.int32)
-            real = self._rows[:padded_size] < b.counts[0]  # N read on the device
-            b.sampled[:padded_size].copy_(torch.where(real, tokens, b.sampled[:padded_size]))
+            if spec is not None:  # accepted, sampled and output of rows < N (N on the device)
+                spec.verify(tokens, padded_size)
+            else:
+                real = self._rows[:padded_size] < b.counts[0]  # N read on the device
+                b.sampled[:padded_size].copy_(torch.where(real, tokens,
+                                                          b.sampled[:padded_size]))
         if nvtx:
             self._pop()
 
@@ -307,6 +325,8 @@ class GraphRunner:
             meta.input_ids, meta.positions, last, meta.slot_mapping, meta.seq_lens,
             meta.query_start_loc, meta.block_table))
         self._pop()
+        if self.spec is not None:  # the prompt becomes the drafter's history
+            self.spec.write_history(meta.input_ids, meta.slot_mapping)
         self._push("zos.prefill")
         with torch.no_grad():
             hidden = self.model.forward(meta.input_ids, meta.positions, self.kv_caches, meta,

@@ -41,7 +41,10 @@ class EngineConfig:
     start-up) or "lazy" (each captured right after the first step of its size, which runs
     eagerly); ``graph_memory_budget``: lazy only, bytes the graph cache may hold (its pool plus
     each graph's own memory; least recently used graphs evicted), None for no bound
-    (``zos.serving.runner.GraphRunner``, ``zos.graphs.GraphCache``)."""
+    (``zos.serving.runner.GraphRunner``, ``zos.graphs.GraphCache``). ``num_draft_tokens``: K > 0
+    runs speculative decoding with the n-gram drafter (``zos.spec``), q = 1 + K token rows per
+    request; the policy's table is then built for q (every size a multiple of q,
+    ``make_buckets``)."""
 
     block_size: int = 16
     num_kv_blocks: int = 1024
@@ -55,6 +58,7 @@ class EngineConfig:
     buckets: BucketTable | Sequence[int] | None = None
     graph_capture: str = "eager"
     graph_memory_budget: int | None = None
+    num_draft_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -87,9 +91,10 @@ class RunResult:
     totals: dict[str, float]
 
 
-def make_buckets(cfg: EngineConfig, num_draft_tokens: int = 0) -> BucketTable | None:
-    """The decode bucket table of ``cfg`` (token rows, q = 1 + ``num_draft_tokens`` per request;
-    plain decode: k = 0), or None for no graphs.
+def make_buckets(cfg: EngineConfig,
+                 num_draft_tokens: int | None = None) -> BucketTable | None:
+    """The decode bucket table of ``cfg`` (token rows, q = 1 + k per request, k =
+    ``num_draft_tokens``, by default ``cfg.num_draft_tokens``), or None for no graphs.
 
     ``cfg.buckets`` is taken as given (a BucketTable, or sizes made into one with
     ``uniform_decode_query_len`` q). Otherwise ``cfg.bucket_policy`` names a
@@ -101,6 +106,8 @@ def make_buckets(cfg: EngineConfig, num_draft_tokens: int = 0) -> BucketTable | 
     grid: 12 gives 1, 2, 4, 8 there, 1, 2, 4, 8, 12 here). Every policy's table is uniform
     decode (sizes multiples of q; ``zos.buckets``). ValueError for an unknown policy name;
     TypeError/ValueError for a num_draft_tokens that is not an int >= 0."""
+    if num_draft_tokens is None:
+        num_draft_tokens = cfg.num_draft_tokens
     if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int):
         raise TypeError(f"num_draft_tokens: expected an int, got {num_draft_tokens!r}")
     if num_draft_tokens < 0:
