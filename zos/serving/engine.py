@@ -312,6 +312,19 @@ class Engine:
                 drop.add(req)
         return req.finish_reason is not None
 
+    def _preempt_newest(self, rows: list, row_of: dict, fresh: list, appended: dict) -> None:
+        """Preempt the most recently admitted request among the running ``rows`` and ``fresh``
+        (vLLM's recompute preemption), taking it out of the step being built: its row becomes a
+        hole (or it leaves ``fresh``) and its pending appended blocks are forgotten."""
+        alive = [r for r in rows if r is not None] + fresh
+        victim = max(alive, key=lambda r: r.admit_seq)
+        appended.pop(victim, None)
+        self._preempt(victim)
+        if victim in fresh:
+            fresh.remove(victim)
+        else:
+            rows[row_of.pop(victim)] = None
+
     def _preempt(self, req: Request) -> None:
         """Recompute preemption (vLLM's default): give back every block, requeue at the front;
         resumed later by a prefill of prompt + output. Its tokens on their way are dropped."""
@@ -349,14 +362,7 @@ class Engine:
                     req.blocks.append(got[0])
                     appended[req] = got[0]
                     break
-                alive = [r for r in rows if r is not None] + fresh
-                victim = max(alive, key=lambda r: r.admit_seq)  # most recently admitted
-                appended.pop(victim, None)
-                self._preempt(victim)
-                if victim in fresh:
-                    fresh.remove(victim)
-                else:
-                    rows[row_of.pop(victim)] = None
+                self._preempt_newest(rows, row_of, fresh, appended)
         exact = True  # every req_id of a new row fits the int64 cache as is
         for i in _place(rows, fresh):
             row_of[rows[i]] = i

@@ -35,14 +35,7 @@ def _ensure_blocks(eng, fresh: list) -> dict:
                 if req not in fresh:
                     appended.setdefault(req, []).append(got[0])
                 continue
-            alive = [r for r in rows if r is not None] + fresh
-            victim = max(alive, key=lambda r: r.admit_seq)  # most recently admitted
-            appended.pop(victim, None)
-            eng._preempt(victim)
-            if victim in fresh:
-                fresh.remove(victim)
-            else:
-                rows[row_of.pop(victim)] = None
+            eng._preempt_newest(rows, row_of, fresh, appended)
     return appended
 
 
