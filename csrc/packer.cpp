@@ -41,7 +41,6 @@ StepPacker::StepPacker(const PackerConfig& cfg) : cfg_(cfg), index_(cfg.max_num_
                   &curr_assumed_src_})
     v->assign(r, 0);
   prev_adv_.assign(r, static_cast<int32_t>(cfg.q));
-  curr_adv_.assign(r, static_cast<int32_t>(cfg.q));
   app_order_.reserve(r);
   moved_.reserve(r);
   prev_ids_.reserve(r);

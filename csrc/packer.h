@@ -75,7 +75,7 @@ class StepPacker {
   // Speculative decoding: per row of the last packed step, the advance to its next
   // position (q until its accepted count is known) and the row of the step before
   // whose count was assumed q when its position was set (-1: exact).
-  std::vector<int32_t> prev_adv_, curr_adv_, prev_assumed_src_, curr_assumed_src_;
+  std::vector<int32_t> prev_adv_, prev_assumed_src_, curr_assumed_src_;
   int64_t prev_prev_num_reqs_ = 0;
 };
 

@@ -149,12 +149,16 @@ def test_demo_spec_same_tokens_as_plain(tiny, tmp_path):
     assert rep["samples"] == sync["samples"]
     tot = rep["backends"]["zos"]["totals"]
     assert tot["tokens"] == sync["backends"]["zos"]["totals"]["tokens"]
-    assert 0 <= tot["acceptance_rate"] <= 1 and tot["spec_rows"] > 0
-    for bad in (["--num-draft-tokens", "2"], ["--spec", "ngram", "--num-draft-tokens", "0"]):
+    assert tot["spec_rows"] > 0 and tot["spec_tokens"] >= tot["spec_rows"]
+    kept, rows = tot["spec_tokens"], tot["spec_rows"]
+    assert tot["acceptance_rate"] == (kept - rows) / (3 * rows)
+    for bad, msg in ((["--num-draft-tokens", "2"], "--num-draft-tokens needs --spec ngram"),
+                     (["--spec", "ngram", "--num-draft-tokens", "0"],
+                      "--num-draft-tokens must be >= 1, got 0")):
         err = io.StringIO()
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
             assert main(TINY + bad + ["--out", str(tmp_path / "bad")]) == 2
-        assert "draft" in err.getvalue() or "--spec" in err.getvalue()
+        assert msg in err.getvalue()
 
 
 def test_demo_on_cpu_compares_no_times(tiny):

@@ -191,6 +191,8 @@ def test_demo_dp2_spawned(tmp_path, capfd):
 @pytest.mark.parametrize("argv, msg", [
     (["--tp", "2", "--dp", "2"], "--tp 2 --dp 2: one kind of parallelism at a time"),
     (["--tp", "0"], "--tp: expected an int >= 1, got '0'"),
+    (["--tp", "2", "--spec", "ngram"], "--tp 2 --spec ngram: speculative decoding under tensor "
+     "parallelism is not supported"),
 ])
 def test_demo_parallel_flags_refused(tmp_path, capsys, argv, msg):
     from zos.serving.cli import main

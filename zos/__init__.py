@@ -7,7 +7,7 @@ The path of one decode step, top to bottom:
     triton_kernels/prep.py     rebuild input_ids, positions, seq_lens, query_start_loc,
                                block_table, slot_mapping in place; dummy rows at the tail
     zos.buffers                the static buffers and their per-bucket views (StepMetadata)
-zos.spec drafts (n-gram) and verifies (greedy) draft tokens inside the decode graph,
+    zos.spec                   with draft tokens: n-gram drafts and greedy verification
 zos.host_backend builds the same buffers on the host (the baseline, numba), zos.buckets holds
 the bucket tables of vLLM, SGLang, TensorRT-LLM and DeepInfer, and zos.serving is the harness
 (paged Llama, graph runner, engine, demo) that the library never imports.

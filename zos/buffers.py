@@ -80,11 +80,12 @@ class PaddingProfile:
         (ids 0 .. num_blocks - 1 handed out): the null block is its read trash, block
         ``num_blocks`` (zeroed, never written), and the pad slot its write trash,
         ``(num_blocks + 1) * block_size`` (``cache.write_trash_index``, never read). No block it
-        hands out is reserved. ValueError unless both are positive ints."""
+        hands out is reserved. TypeError unless both are ints, ValueError unless positive."""
         for f, v in (("num_blocks", num_blocks), ("block_size", block_size)):
-            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-                raise ValueError(f"PaddingProfile.transformers: {f} must be a positive int, "
-                                 f"got {v!r}")
+            if not isinstance(v, int) or isinstance(v, bool):
+                raise TypeError(f"PaddingProfile.transformers: {f} must be an int, got {v!r}")
+            if v <= 0:
+                raise ValueError(f"PaddingProfile.transformers: {f} must be positive, got {v}")
         return PaddingProfile("transformers", pad_slot_id=(num_blocks + 1) * block_size,
                               null_block=num_blocks)
 
@@ -211,7 +212,8 @@ class DecodeBuffers:
         self.block_table = torch.empty((r, w), **i32)
         self.counts = torch.empty(2, **i32)
         # Row state carried to the next step: blocks in use per row (columns past
-        # it are 0), the token sampled for each row, tokens accepted per row.
+        # it hold the profile's null block), the token sampled for each row, tokens accepted
+        # per row.
         self.num_blocks_per_row = torch.empty(r, **i32)
         self.sampled = torch.empty(r, **i32)
         self.accepted = torch.empty(r, **i32)

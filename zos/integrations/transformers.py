@@ -56,7 +56,7 @@ import numpy as np
 import torch
 
 from zos.attention import paged_decode_attention_kv
-from zos.buckets import from_policy
+from zos.buckets import POLICIES
 from zos.buffers import DecodeBuffers, PaddingProfile, StepMetadata
 from zos.device_backend import DeviceMetadataBackend
 from zos.step import DecodeStep
@@ -91,7 +91,7 @@ class ZosOptions:
         timings: if not None, a list to which each step appends ``(path, seconds)``: the host
             time of ``prepare_batch_tensors``, path ``"zos"`` or ``"transformers"``.
         bucket_policy: None (default): a zos step runs N rows, its prep kernels launched from
-            Python. A policy name of :func:`zos.from_policy` (e.g. ``"vllm"``): steps are padded
+            Python. A name in ``zos.buckets.POLICIES`` (e.g. ``"vllm"``): steps are padded
             to its buckets (up to max_requests_per_batch) and, on CUDA, the prep kernels of each
             bucket are captured once in a CUDA graph and replayed (the model then runs the
             padded rows too: they write KV to transformers' write-trash slot and read its
@@ -174,8 +174,10 @@ def _make_zos_ios_class():
             cuda = self.device.type == "cuda"
             buckets = None
             if options.bucket_policy is not None:
-                buckets = from_policy(options.bucket_policy,
-                                      max_capture_size=self.max_requests_per_batch)
+                # Every policy's largest size counts requests at q = 1: its own maximum keyword,
+                # then max_requests_per_batch itself a bucket (as the engine's make_buckets).
+                buckets = POLICIES[options.bucket_policy].build(
+                    self.max_requests_per_batch).with_max(self.max_requests_per_batch)
             self.zos_backend = DeviceMetadataBackend(
                 self.zos_buffers, num_kv_blocks=cache.num_blocks,
                 vocab_size=self.config.vocab_size, buckets=buckets,
@@ -188,11 +190,10 @@ def _make_zos_ios_class():
         def _setup_static_tensors(self, logit_processor) -> None:
             super()._setup_static_tensors(logit_processor)
             if self.attention_mask is None:  # transformers allocates it for its own names only
-                pin = False
                 n = self.cache.max_batch_tokens
                 shape = (1, 1, n, self.cache.num_blocks * self.cache.block_size + n)
                 self.attention_mask = {t: torch.empty(shape, dtype=self.model_dtype,
-                                                      device=self.device, pin_memory=pin)
+                                                      device=self.device)
                                        for t in self.cumulative_seqlens_k}
 
         def _zos_reset_rows(self) -> None:
@@ -396,13 +397,17 @@ def enable_zos(model, options: ZosOptions | None = None) -> None:
     Raises:
         RuntimeError: transformers is not 5.17.0; or, on a CPU, triton was imported before zos
             (its interpreter is then off).
-        ValueError: another attention implementation, or sliding-window / mixed layer types.
+        ValueError: another attention implementation, sliding-window / mixed layer types, or an
+            unknown ``options.bucket_policy``.
         TypeError: options is not a ZosOptions.
     """
     tf = _transformers()
     options = ZosOptions() if options is None else options
     if not isinstance(options, ZosOptions):
         raise TypeError(f"options must be a ZosOptions, got {type(options).__name__}")
+    if options.bucket_policy is not None and options.bucket_policy not in POLICIES:
+        raise ValueError(f"options.bucket_policy must be None or one of {list(POLICIES)}, got "
+                         f"{options.bucket_policy!r}")
     impl = model.config._attn_implementation
     if impl not in _ACCEPTED_ATTN:
         raise ValueError(f"zos supports attn_implementation in {_ACCEPTED_ATTN} (prefill runs "
@@ -421,7 +426,8 @@ def enable_zos(model, options: ZosOptions | None = None) -> None:
     tf.AttentionInterface.register(ATTN_IMPLEMENTATION, zos_paged_attention)
     _install_manager_hook()
     model._zos_options = options
-    model._zos_previous_attn = impl if impl != ATTN_IMPLEMENTATION else "sdpa"
+    if getattr(model, "_zos_previous_attn", None) is None:  # a second call keeps the first's
+        model._zos_previous_attn = impl if impl != ATTN_IMPLEMENTATION else "sdpa"
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
 
 

@@ -185,9 +185,13 @@ def run_dist_demo(args) -> dict:
     """``zos demo --tp P`` / ``--dp P``: under torchrun (WORLD_SIZE set) this process is one
     rank; otherwise spawn P ranks here. Returns rank 0's report (other torchrun ranks: a dict
     with ``identical`` True, so only rank 0 decides the exit status). ValueError: both
-    ``--tp`` and ``--dp`` above 1, or ``--out`` not writable."""
+    ``--tp`` and ``--dp`` above 1, ``--tp`` with ``--spec`` (see :func:`tp_generate`), or
+    ``--out`` not writable."""
     if args.tp > 1 and args.dp > 1:
         raise ValueError(f"--tp {args.tp} --dp {args.dp}: one kind of parallelism at a time")
+    if args.tp > 1 and getattr(args, "spec", None) is not None:
+        raise ValueError(f"--tp {args.tp} --spec {args.spec}: speculative decoding under tensor "
+                         "parallelism is not supported (use --dp, or one process)")
     demo.check_out_dir(args.out)
     world = args.tp * args.dp
     if "WORLD_SIZE" in os.environ:

@@ -177,7 +177,16 @@ def tp_follow(runner, ctx: DistContext, *, check_metadata: bool = False) -> list
 def tp_generate(engine, requests, ctx: DistContext, *, check_metadata: bool = False):
     """Run ``requests`` under TP: rank 0 schedules (``engine.run``) and returns its
     ``RunResult`` and its :class:`TPLeader`; other ranks follow and return ``(None, log)``.
-    Every rank must call it with an Engine of the same config over its shard."""
+    Every rank must call it with an Engine of the same config over its shard.
+
+    Raises:
+        ValueError: an engine with draft tokens, on every rank before any collective: the
+            accepted counts reach rank 0's packer only (``observe_accepted``), so the other
+            ranks' packers would drift; speculative decoding under TP is not supported.
+    """
+    if engine.spec is not None:
+        raise ValueError("tp_generate: speculative decoding under tensor parallelism is not "
+                         f"supported (num_draft_tokens={engine.config.num_draft_tokens})")
     if ctx.rank != 0:
         return None, tp_follow(engine.runner, ctx, check_metadata=check_metadata)
     leader = engine.runner = TPLeader(engine.runner, ctx, check_metadata=check_metadata)

@@ -121,7 +121,9 @@ class Engine:
         self._launches = 0
         self._wake: defaultdict[int, list[Request]] = defaultdict(list)
         self._ending: set[Request] = set()
-        self._pending: deque[tuple[set[Request], list[int]]] = deque()  # = readback.pending
+        # Per launch in flight (= readback.pending): the requests whose token is dropped, and
+        # the plain engine's due rows or the spec engine's launch number.
+        self._pending: deque[tuple[set[Request], list[int] | int]] = deque()
 
     def add_request(self, req: Request) -> None:
         """Queue ``req`` (behind earlier ones); see :meth:`add_requests`."""
@@ -240,7 +242,8 @@ class Engine:
                       eager_decode_steps=sum(s.path == "eager" for s in dec), tokens=tokens,
                       wall_s=wall, tokens_per_s=tokens / wall if wall > 0 else 0.0,
                       graphs_captured=self.graphs_captured,
-                      graph_evictions=self.runner.cache.evictions if self.runner.cache else 0,
+                      graph_evictions=(self.runner.cache.evictions if self.runner.cache is not None
+                                       else 0),
                       preemptions=self.num_preemptions - pre0,
                       capture_s=self.runner.capture_seconds,
                       metadata_us=sum(s.metadata_us for s in dec),

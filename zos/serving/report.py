@@ -46,7 +46,7 @@ def summarize(result, samples: list | None) -> dict:
     reasons: dict[str, int] = {}
     for r in dec:
         if r.path == "eager":
-            key = getattr(r, "eager_reason", None) or "unknown"
+            key = r.eager_reason or "unknown"
             reasons[key] = reasons.get(key, 0) + 1
     return dict(totals=dict(result.totals), eager_reasons=reasons, metadata_us_median=_median(us),
                 metadata_us_mean=_mean(us), upload_bytes_median=_median(counted),

@@ -57,7 +57,8 @@ class DecodeResult:
     Attributes:
         path: "graph" (a captured graph replayed) or "eager".
         num_reqs: real request rows N.
-        padded_size: token rows the step ran with (the bucket, or N * q unbucketed).
+        padded_size: token rows the step ran with (the bucket, N * q unbucketed, or the
+            bucket of ``min_padded_size`` when that is larger).
         bucket: the bucket (token rows), or None when no bucket holds N * q.
         prep_us: host microseconds of metadata work: ``stage``, plus ``build`` when eager.
         upload_bytes: bytes the backend uploaded host-to-device for this step.
@@ -197,7 +198,8 @@ class GraphRunner:
         """Run one decode step; sampled tokens land in ``buffers.sampled[:N]`` (on the device;
         with ``spec``, also ``buffers.accepted[:N]`` and ``spec.output[:N]``).
 
-        Rows [N, padded_size) are dummy rows: their ``sampled`` entries keep their old values.
+        Request rows [N, padded_size // q) are dummy rows: their ``sampled`` entries keep their
+        old values.
         The graph of the step's bucket is replayed if the cache holds it; otherwise the body runs
         eagerly, and under lazy capture (reason "not captured yet" or "evicted") that size's
         graph is captured right after, within the cache's budget (``DecodeResult.capture_s``).
