@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from zos.serving.distributed import DPRunner, TPLeader, init_distributed
+from zos.serving.distributed import DPRunner, TPLeader, init_distributed, shutdown_distributed
 from zos.serving.engine import Engine, EngineConfig, Request
 from zos.serving.models import LlamaConfig, random_llama, smollm2_config
 from zos.serving.models.parallel import tp_llama
@@ -245,8 +245,7 @@ def main() -> int:
         out.write_text(json.dumps(dict(meta=meta, agree_alone_us=alone, rows=rows), indent=1)
                        + "\n")
         print(f"wrote {out}")
-    dist.barrier(group=ctx.cpu_group)
-    dist.destroy_process_group()
+    shutdown_distributed(ctx)
     return 0
 
 

@@ -9,7 +9,9 @@ N * (1 + k) token rows (one CUDA graph), ``--steps`` timed decode steps after ``
 Per combination:
 
 * tokens/s: tokens kept (1 + accepted drafts per row and step) over the wall time;
-* prep host us per decode step (median): ``backend.stage`` (+ build when eager), as the engine
+* prep host us per decode step (median over every timed step of ``--repeats`` runs, each
+  (k, backend) run once per repeat in rotated order; each repeat's median is kept to show the
+  spread): ``backend.stage`` (+ build when eager), as the engine
   records it; for the host-built baseline with k > 0 this includes its synchronous read-back of
   the accepted counts, reported on its own as ``accepted_wait_us_per_step``;
 * acceptance rate (accepted drafts / proposed) and tokens per row and step. With random weights
@@ -78,14 +80,29 @@ def run_combo(model, device, backend: str, k: int, n: int, args) -> dict:
     tokens = sum(len(r.output) for r in engine._row_of) - out0
     rows, kept = engine.spec_rows - rows0, engine.spec_tokens - tok0
     wait = getattr(engine.backend, "accepted_wait_seconds", 0.0) - wait0
-    return dict(backend=backend, num_draft_tokens=k, n=n, context=args.context,
-                steps=args.steps, graph_steps=sum(r.path == "graph" for r in recs),
+    return dict(backend=backend, num_draft_tokens=k, n=n, tokens=tokens, wall_s=wall,
+                graph_steps=sum(r.path == "graph" for r in recs),
+                prep_us=[r.metadata_us for r in recs],
+                upload_bytes=[r.upload_bytes for r in recs], wait_s=wait, rows=rows, kept=kept)
+
+
+def pooled(runs: list[dict], args) -> dict:
+    """One (N, k, backend) over its repeats: medians over every timed step of every repeat,
+    tokens/s over their summed wall time, and each repeat's own prep median (the spread)."""
+    r0, k = runs[0], runs[0]["num_draft_tokens"]
+    steps = args.steps * len(runs)
+    prep = [u for r in runs for u in r["prep_us"]]
+    tokens, wall = sum(r["tokens"] for r in runs), sum(r["wall_s"] for r in runs)
+    rows, kept = sum(r["rows"] for r in runs), sum(r["kept"] for r in runs)
+    return dict(backend=r0["backend"], num_draft_tokens=k, n=r0["n"], context=args.context,
+                repeats=len(runs), steps=steps, graph_steps=sum(r["graph_steps"] for r in runs),
                 tokens=tokens, wall_s=wall, tokens_per_s=tokens / wall,
-                step_us=wall / args.steps * 1e6,
-                prep_us_median=statistics.median(r.metadata_us for r in recs),
-                prep_us_mean=statistics.mean(r.metadata_us for r in recs),
-                upload_bytes_median=statistics.median(r.upload_bytes for r in recs),
-                accepted_wait_us_per_step=wait / args.steps * 1e6,
+                step_us=wall / steps * 1e6,
+                prep_us_median=statistics.median(prep), prep_us_mean=statistics.mean(prep),
+                prep_us_median_per_repeat=[statistics.median(r["prep_us"]) for r in runs],
+                upload_bytes_median=statistics.median(
+                    b for r in runs for b in r["upload_bytes"]),
+                accepted_wait_us_per_step=sum(r["wait_s"] for r in runs) / steps * 1e6,
                 tokens_per_row=(kept / rows) if k else 1.0,
                 acceptance_rate=((kept - rows) / (k * rows)) if k else None)
 
@@ -97,6 +114,9 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=1024, help="prompt tokens per row")
     ap.add_argument("--steps", type=int, default=48, help="timed decode steps")
     ap.add_argument("--warmup", type=int, default=6, help="decode steps before timing")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="runs of every (k, backend) per N, in rotated order (drift and the "
+                         "first run's costs spread over all of them)")
     ap.add_argument("--out", required=True, help="JSON file to write")
     ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU (script check)")
     args = ap.parse_args()
@@ -113,16 +133,24 @@ def main() -> int:
         device = torch.device("cuda")
         model = random_llama(smollm2_config(), seed=0, device=device, dtype=torch.bfloat16)
     rows = []
+    ks = [int(x) for x in args.draft_tokens.split(",")]
     for n in (int(x) for x in args.sizes.split(",")):
-        for k in (int(x) for x in args.draft_tokens.split(",")):
-            for backend in ("host", "zos"):
-                r = run_combo(model, device, backend, k, n, args)
-                rows.append(r)
-                acc = "-" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.3f}"
-                print(f"N={n:4d} k={k} {backend:4s}: {r['tokens_per_s']:10.1f} tok/s, prep "
-                      f"{r['prep_us_median']:7.1f} us (median), accepted wait "
-                      f"{r['accepted_wait_us_per_step']:7.1f} us/step, acceptance {acc}, "
-                      f"{r['tokens_per_row']:.2f} tok/row/step", flush=True)
+        runs: dict[tuple[int, str], list[dict]] = {}
+        for rep in range(args.repeats):
+            combos = [(k, b) for k in ks for b in ("host", "zos")]
+            shift = rep * len(combos) // args.repeats
+            for k, backend in combos[shift:] + combos[:shift]:
+                runs.setdefault((k, backend), []).append(
+                    run_combo(model, device, backend, k, n, args))
+        for (k, backend), rs in sorted(runs.items()):
+            r = pooled(rs, args)
+            rows.append(r)
+            acc = "-" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.3f}"
+            spread = "/".join(f"{u:.1f}" for u in r["prep_us_median_per_repeat"])
+            print(f"N={n:4d} k={k} {backend:4s}: {r['tokens_per_s']:10.1f} tok/s, prep "
+                  f"{r['prep_us_median']:7.1f} us (median; per repeat {spread}), accepted "
+                  f"wait {r['accepted_wait_us_per_step']:7.1f} us/step, acceptance {acc}, "
+                  f"{r['tokens_per_row']:.2f} tok/row/step", flush=True)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (smoke)"
     with open(args.out, "w") as f:
         json.dump(dict(device=name, date=dt.datetime.now().isoformat(timespec="seconds"),

@@ -8,9 +8,14 @@ import os
 import random
 
 import torch
-import torch.distributed as dist
 
-from zos.serving.distributed import dp_generate, init_distributed, tp_generate
+from zos.serving.distributed import (
+    DPRunner,
+    dp_generate,
+    init_distributed,
+    shutdown_distributed,
+    tp_generate,
+)
 from zos.serving.engine import Engine, EngineConfig, Request
 from zos.serving.models import random_llama
 from zos.serving.models.parallel import tp_llama
@@ -40,10 +45,10 @@ def dp_requests(rank: int) -> list[Request]:
     return make_requests(100 + rank, 7, 12) if rank == 0 else make_requests(200, 2, 3)
 
 
-def _start(rank: int, world: int, init: str):
+def _start(rank: int, world: int, init: str, timeout_s: float = 600):
     """gloo on a CPU; NCCL with one GPU per rank where CUDA is (the test needs 2 GPUs then)."""
     torch.set_num_threads(1)  # two ranks share the CPU cores
-    return init_distributed(rank=rank, world_size=world, init_method=init, timeout_s=600)
+    return init_distributed(rank=rank, world_size=world, init_method=init, timeout_s=timeout_s)
 
 
 def _write(out: str, rank: int, data: dict) -> None:
@@ -51,37 +56,77 @@ def _write(out: str, rank: int, data: dict) -> None:
         json.dump(data, f)
 
 
+def _tp_run(model, backend: str, overlap: bool, seed: int, ctx) -> dict:
+    """One TP run of ``backend`` (the engine and its graphs die with this frame)."""
+    engine = Engine(model, engine_config(backend), ctx.device, overlap=overlap)
+    result, extra = tp_generate(engine, make_requests(seed, 6, 12), ctx, check_metadata=True)
+    if ctx.rank:
+        return dict(checksums=extra)
+    return dict(outputs=result.outputs, checksums=extra.checksums,
+                decode_steps=result.totals["decode_steps"],
+                preemptions=result.totals["preemptions"])
+
+
 def tp_worker(rank: int, world: int, init: str, out: str, seed: int, overlap: bool) -> None:
     """TP over ``world`` ranks, both backends in turn, metadata checked every decode step."""
     ctx = _start(rank, world, init)
     full = random_llama(LLAMA_CFG, seed=0, device=ctx.device)
     model = tp_llama(full.state_dict(), LLAMA_CFG, rank, world, device=ctx.device)
-    data = {}
-    for backend in BACKENDS:
-        engine = Engine(model, engine_config(backend), ctx.device, overlap=overlap)
-        result, extra = tp_generate(engine, make_requests(seed, 6, 12), ctx,
-                                    check_metadata=True)
-        if rank == 0:
-            data[backend] = dict(outputs=result.outputs, checksums=extra.checksums,
-                                 decode_steps=result.totals["decode_steps"],
-                                 preemptions=result.totals["preemptions"])
-        else:
-            data[backend] = dict(checksums=extra)
+    data = {b: _tp_run(model, b, overlap, seed, ctx) for b in BACKENDS}
     _write(out, rank, data)
-    dist.destroy_process_group()
+    shutdown_distributed(ctx)
+
+
+def _dp_run(model, backend: str, overlap: bool, ctx) -> dict:
+    """One DP run of ``backend`` (the engine and its graphs die with this frame)."""
+    engine = Engine(model, engine_config(backend), ctx.device, overlap=overlap)
+    outputs, stats = dp_generate(engine, dp_requests(ctx.rank), ctx)
+    return dict(outputs=outputs, local=stats.local, agreed=stats.agreed, dummy=stats.dummy,
+                padded=[r.padded_size for r in engine.records if r.kind == "decode"])
 
 
 def dp_worker(rank: int, world: int, init: str, out: str, overlap: bool) -> None:
     """DP over ``world`` ranks (each its own requests), both backends in turn."""
     ctx = _start(rank, world, init)
     model = random_llama(LLAMA_CFG, seed=0, device=ctx.device)
-    data = {}
-    for backend in BACKENDS:
-        engine = Engine(model, engine_config(backend), ctx.device, overlap=overlap)
-        outputs, stats = dp_generate(engine, dp_requests(rank), ctx)
-        data[backend] = dict(outputs=outputs, local=stats.local, agreed=stats.agreed,
-                             dummy=stats.dummy,
-                             padded=[r.padded_size for r in engine.records
-                                     if r.kind == "decode"])
-    _write(out, rank, data)
-    dist.destroy_process_group()
+    _write(out, rank, {b: _dp_run(model, b, overlap, ctx) for b in BACKENDS})
+    shutdown_distributed(ctx)
+
+
+class FailingRunner:
+    """A GraphRunner whose ``fail_at``-th decode call raises ValueError (as a step its backend
+    refuses does, before anything is written); other attributes are the runner's."""
+
+    def __init__(self, runner, fail_at: int) -> None:
+        self.runner, self.fail_at, self.calls = runner, fail_at, 0
+
+    def __getattr__(self, name):
+        return getattr(self.runner, name)
+
+    def decode(self, step, *, min_padded_size=0):
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise ValueError(f"injected: decode call {self.calls} refused")
+        return self.runner.decode(step, min_padded_size=min_padded_size)
+
+
+def _dp_fail_run(ctx) -> dict:
+    engine = Engine(random_llama(LLAMA_CFG, seed=0, device=ctx.device), engine_config("host"),
+                    ctx.device)
+    if ctx.rank == 1:
+        engine.runner = FailingRunner(engine.runner, fail_at=3)
+    engine.runner = DPRunner(engine.runner, ctx)
+    try:
+        dp_generate(engine, make_requests(300 + ctx.rank, 5, 12), ctx)
+        error = None
+    except Exception as e:  # noqa: BLE001 - the test reads which error each rank saw
+        error = f"{type(e).__name__}: {e}"
+    return dict(error=error, agreements=len(engine.runner.stats.agreed))
+
+
+def dp_fail_worker(rank: int, world: int, init: str, out: str, timeout_s: float) -> None:
+    """DP where rank 1's third decode call raises: each rank records the error it stopped
+    with and its agreements (host backend; collectives time out after ``timeout_s``)."""
+    ctx = _start(rank, world, init, timeout_s)
+    _write(out, rank, _dp_fail_run(ctx))
+    shutdown_distributed(ctx)

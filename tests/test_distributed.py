@@ -85,6 +85,18 @@ def test_dp2_agreement_dummy_steps_tokens(dp_runs, llama, backend):
     assert sum(runs[1]["dummy"]) > 0  # rank 1 ran out of requests and padded along
 
 
+@needs_world
+def test_dp_rank_failure_stops_every_rank(tmp_path):
+    """Rank 1's third decode raises: it stops with that error, and rank 0 stops at its next
+    agreement with an error naming rank 1 (without the failure flag it waited for rank 1 until
+    the collective timed out, 120 s here, and stopped with gloo's timeout error)."""
+    ranks = spawn(W.dp_fail_worker, (120.0,), tmp_path)
+    assert ranks[1]["error"] == "ValueError: injected: decode call 3 refused"
+    assert ranks[0]["error"] == ("RuntimeError: data parallelism: rank 1 failed its decode "
+                                 "step; rank 0 stops too")
+    assert ranks[0]["agreements"] == ranks[1]["agreements"] >= 3
+
+
 # --- one process: shards and the padded-size override ----------------------------------------
 
 def test_tp_config_refuses_indivisible_heads():

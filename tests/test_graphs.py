@@ -3,11 +3,12 @@ eviction, the shared pool) with a fake capture function, against a plain-list re
 runner's eager reasons on a CPU; on CUDA, lazy capture gives the tokens of eager capture and of no
 graphs, and evicted sizes are captured again."""
 import dataclasses
+import gc
 import random
 
 import pytest
 
-from zos.graphs import EVICTED, NOT_CAPTURED, OVER_BUDGET, CapturedGraph, GraphCache
+from zos.graphs import CAPTURE_FAILED, EVICTED, NOT_CAPTURED, OVER_BUDGET, CapturedGraph, GraphCache
 from zos.serving.engine import Engine, EngineConfig, Request
 
 from helpers import DEVICE, LLAMA_BLOCK_SIZE, LLAMA_CFG
@@ -157,6 +158,25 @@ def test_zero_budget_holds_nothing():
     assert cache.sizes == [4] and cache.reason(2) == OVER_BUDGET and cache.reason(4) is None
 
 
+def test_failed_capture_is_recorded_and_not_retried():
+    cache, fake = make({4: 10, 8: 10}, {4: 0, 8: 0}, None)
+
+    def capture(size):
+        if size == 4:
+            fake.calls.append(size)
+            raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+        return fake(size)
+
+    cache.capture_fn = capture
+    assert run(cache, [4, 8, 4, 8]) == [("miss", 4, NOT_CAPTURED), ("miss", 8, NOT_CAPTURED),
+                                        ("miss", 4, CAPTURE_FAILED), ("hit", 8)]
+    assert fake.calls == [4, 8] and cache.sizes == [8] and cache.captures == 1
+    assert cache.failures == {4: "RuntimeError: CUDA error: operation not permitted when "
+                                 "stream is capturing"}
+    assert cache.log[0] == dict(event=CAPTURE_FAILED, size=4, error=cache.failures[4])
+    assert cache.capture(4) is False and fake.calls == [4, 8]
+
+
 @pytest.mark.parametrize("size", [0, -3, 2.0, True, "8", None])
 def test_capture_rejects_bad_size(size):
     cache, fake = make({8: 1}, {8: 0}, None)
@@ -284,8 +304,9 @@ class BodyReplay:
         self.runner._body(self.size)
 
 
-def drive(engine):
-    """Queue the waves one after another; returns {req_id: output}."""
+def drive(engine, between=None):
+    """Queue the waves one after another (calling ``between()``, if given, after each); returns
+    {req_id: output}."""
     reqs = []
     for wave in waves():  # fresh Request objects for each engine
         reqs += wave
@@ -293,6 +314,8 @@ def drive(engine):
             engine.add_request(r)
         while engine.has_unfinished():
             engine.step()
+        if between is not None:
+            between()
     return {r.req_id: r.output for r in reqs}
 
 
@@ -336,6 +359,28 @@ def test_runner_lazy_path_with_body_replay(llama, backend):
     check_against_reference(engine, 1000, 2000)
 
 
+@pytest.mark.parametrize("backend", ["zos", "host"])
+def test_runner_lazy_capture_failure_runs_eagerly(llama, backend):
+    """A lazy capture that raises leaves the step it followed valid and its size eager from
+    then on (reason "capture failed"); the tokens are those of a run without graphs."""
+    want = tokens_without_graphs(llama)
+    engine = Engine(llama, engine_cfg(backend=backend, use_cuda_graph=False), DEVICE)
+    runner, failing = engine.runner, 2
+
+    def capture(size):
+        if size == failing:
+            raise RuntimeError(f"capture of {size} rows failed")
+        return CapturedGraph(BodyReplay(runner, size), 0, 0, 0.0)
+
+    runner.cache = GraphCache(capture)
+    assert drive(engine) == want
+    dec = [s for s in engine.records if s.kind == "decode" and s.padded_size == failing]
+    assert len(dec) >= 2
+    assert [(s.path, s.eager_reason) for s in dec] == (
+        [("eager", NOT_CAPTURED)] + [("eager", CAPTURE_FAILED)] * (len(dec) - 1))
+    assert runner.cache.failures == {failing: f"RuntimeError: capture of {failing} rows failed"}
+
+
 def charge_1000(capture):
     """``capture`` whose graphs are charged 1000 bytes each and no pool growth."""
     return lambda s: dataclasses.replace(capture(s), nbytes=1000, pool_bytes=0)
@@ -354,3 +399,25 @@ def test_lazy_budget_evicts_and_recaptures(llama, backend):
     engine.runner.cache.capture_fn = charge_1000(engine.runner.cache.capture_fn)
     assert drive(engine) == want
     check_against_reference(engine, 1000, 2000)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU")
+def test_graphs_outlive_other_runners_graphs(llama):
+    """Graphs of other runners destroyed before and in the middle of a run (torch drops a
+    capture stream's cuBLAS workspace whenever a graph captured on that stream is destroyed,
+    pytorch/pytorch#193402), and this runner's own evictions: every run's tokens are those of a
+    run without graphs, and every capture succeeds."""
+    want = tokens_without_graphs(llama)
+    engines = [Engine(llama, engine_cfg(), DEVICE) for _ in range(2)]
+    assert drive(engines[0]) == want
+
+    def drop_one():  # destroy another runner's graphs between this runner's captures
+        if engines:
+            engines.pop()
+            gc.collect()
+
+    lazy = Engine(llama, engine_cfg(graph_capture="lazy", graph_memory_budget=2000), DEVICE)
+    lazy.runner.cache.capture_fn = charge_1000(lazy.runner.cache.capture_fn)
+    assert drive(lazy, between=drop_one) == want
+    assert not engines and lazy.runner.cache.evictions > 0
+    assert drive(Engine(llama, engine_cfg(), DEVICE)) == want  # after all of them

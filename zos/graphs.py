@@ -15,6 +15,7 @@ on first use (ggml-cuda.cu, ``ggml_cuda_graph``). The budget and LRU eviction ar
 """
 from __future__ import annotations
 
+import gc
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
@@ -27,6 +28,7 @@ import torch
 NOT_CAPTURED = "not captured yet"
 EVICTED = "evicted"
 OVER_BUDGET = "over budget"
+CAPTURE_FAILED = "capture failed"
 LOG_LIMIT = 4096  # GraphCache.log keeps the last this many events
 
 
@@ -63,6 +65,11 @@ class GraphCache:
          marked over budget: that size runs eagerly from then on (the first capture of a size can
          overshoot the budget by its own cost, transiently).
 
+    A capture that raises RuntimeError (what CUDA and cuBLAS errors inside a capture raise) is
+    recorded (``failures[size]``, the log) and its size runs eagerly from then on, never
+    captured again: the step that ran eagerly before it stays valid, so a serving loop goes on
+    (llama.cpp likewise falls back to running without its graph when capture fails).
+
     Args:
         capture: ``capture(size) -> CapturedGraph``; kept as the attribute ``capture_fn``.
         budget_bytes: an int >= 0, or None.
@@ -85,6 +92,7 @@ class GraphCache:
         self._entries: OrderedDict[int, CapturedGraph] = OrderedDict()  # LRU first
         self._cost: dict[int, int] = {}  # nbytes of each size's last capture
         self._over: set[int] = set()
+        self.failures: dict[int, str] = {}  # size -> the error its capture raised
         self.pool_bytes = 0
         self.hits = self.misses = self.captures = self.evictions = 0
         self.capture_seconds = 0.0
@@ -123,30 +131,38 @@ class GraphCache:
         return entry.graph
 
     def reason(self, size: int) -> str | None:
-        """Why ``size`` has no graph: ``OVER_BUDGET`` (it cannot fit), ``EVICTED`` (captured
-        before, evicted since), ``NOT_CAPTURED``; None if it has one."""
+        """Why ``size`` has no graph: ``CAPTURE_FAILED``, ``OVER_BUDGET`` (it cannot fit),
+        ``EVICTED`` (captured before, evicted since), ``NOT_CAPTURED``; None if it has one."""
         if size in self._entries:
             return None
+        if size in self.failures:
+            return CAPTURE_FAILED
         if size in self._over:
             return OVER_BUDGET
         return EVICTED if size in self._cost else NOT_CAPTURED
 
     def capture(self, size: int) -> bool:
         """Make sure ``size`` holds a graph within the budget (see the class docstring);
-        returns whether it does. A size marked over budget is not captured again.
-        ValueError (before anything is captured or evicted) unless size is an int >= 1."""
+        returns whether it does. A size marked over budget or whose capture failed is not
+        captured again. ValueError (before anything is captured or evicted) unless size is an
+        int >= 1."""
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise ValueError(f"size: expected an int >= 1 (token rows), got {size!r}")
         if size in self._entries:
             return True
-        if size in self._over:
+        if size in self._over or size in self.failures:
             return False
         budget = self.budget_bytes
         if budget is not None and size in self._cost:
             if self._cost[size] > budget:  # cannot fit even in an empty cache
                 return self._refuse(size)
             self._evict_until(budget - self._cost[size])
-        cap = self.capture_fn(size)
+        try:
+            cap = self.capture_fn(size)
+        except RuntimeError as e:
+            self.failures[size] = f"{type(e).__name__}: {e}"
+            self.log.append(dict(event=CAPTURE_FAILED, size=size, error=self.failures[size]))
+            return False
         self.captures += 1
         self.capture_seconds += cap.seconds
         self.pool_bytes += cap.pool_bytes
@@ -206,20 +222,36 @@ def warm_up(sizes: Iterable[int], body: Callable[[int], None]) -> None:
 
 class CudaGraphCapturer:
     """``capturer(size) -> CapturedGraph``: ``body(size)`` recorded into a ``torch.cuda.CUDAGraph``
-    in one memory pool shared by all its captures (``torch.cuda.graph_pool_handle()``).
+    in one memory pool shared by all its captures (``torch.cuda.graph_pool_handle()``), on a
+    capture stream of its own.
 
     Capture records, it does not execute: ``torch.cuda.graph`` synchronizes the device, switches
-    to its own side stream (so nothing else is enqueued on the capturing stream) and calls
-    ``CUDAGraph.capture_begin``, i.e. ``cudaStreamBeginCapture``: "when a stream is in capture
-    mode, all operations pushed into the stream will not be executed, but will instead be
-    captured into a graph" (CUDA Runtime API reference); allocations come from the pool, in
-    stream order. So a capture after a step of the same size leaves that step's KV, sampled
-    tokens and metadata as they are: that eager step was the warm-up. What does run is the host
-    side of ``body`` (Python, kernel argument packing), so it must have no host side effects,
-    must not synchronize or read device values on the host (illegal during capture), and every
-    kernel it launches must already be compiled and loaded for this size (``warm_up``, or an
-    eager run of the same size; a Triton autotuner would otherwise benchmark, i.e. execute,
-    during capture).
+    to the capture stream and calls ``CUDAGraph.capture_begin``, i.e. ``cudaStreamBeginCapture``:
+    "when a stream is in capture mode, all operations pushed into the stream will not be
+    executed, but will instead be captured into a graph" (CUDA Runtime API reference);
+    allocations come from the pool, in stream order. So a capture after a step of the same size
+    leaves that step's KV, sampled tokens and metadata as they are: that eager step was the
+    warm-up. What does run is the host side of ``body`` (Python, kernel argument packing), so it
+    must have no host side effects, must not synchronize or read device values on the host
+    (illegal during capture), and every kernel it launches must already be compiled and loaded
+    for this size (``warm_up``, or an eager run of the same size; a Triton autotuner would
+    otherwise benchmark, i.e. execute, during capture).
+
+    cuBLAS workspaces. PyTorch keeps one cuBLAS (and cuBLASLt) workspace per (handle, stream) and
+    a captured GEMM bakes that workspace's address into the graph; destroying *any* graph
+    captured on a stream drops the workspace of that stream (torch 2.11, ``CUDAGraph::reset``
+    calls ``clearCublasWorkspacesForStream``; pytorch/pytorch#193402), even if live graphs still
+    use it: it may be reused for tensors or, once its pool is released, freed, and a later
+    capture or replay fails (``CUBLAS_STATUS_INTERNAL_ERROR``) or reads freed memory. So, as
+    torch's own cudagraph trees do (``clear_cublas_manager`` in
+    ``torch/_inductor/cudagraph_trees.py``), every capture starts and ends with the workspace
+    cache cleared: each graph's workspace is allocated inside the capture, from this pool, and
+    belongs to the graphs of this pool alone (the pool keeps it while one of them lives;
+    replays are sequential, so graphs of one pool may share it). The capture stream is this
+    capturer's own, so graphs of other runners, captured on torch's default capture stream,
+    never drop anything of ours, and Python's garbage collector is paused during a capture
+    (``torch.cuda.graph`` collects right before ``capture_begin``), so no graph is destroyed in
+    the middle of one.
 
     Measured per capture, after ``torch.cuda.empty_cache()`` and a device synchronize:
     ``pool_bytes``, the growth of ``torch.cuda.memory_reserved()`` (only the pool allocates during
@@ -232,6 +264,7 @@ class CudaGraphCapturer:
     def __init__(self, body: Callable[[int], None]) -> None:
         self.body = body
         self.pool = None
+        self.stream = torch.cuda.Stream()
 
     def __call__(self, size: int) -> CapturedGraph:
         if self.pool is None:
@@ -241,8 +274,16 @@ class CudaGraphCapturer:
         free0, res0 = torch.cuda.mem_get_info()[0], torch.cuda.memory_reserved()
         t0 = time.perf_counter()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            self.body(size)
+        gc_was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            torch._C._cuda_clearCublasWorkspaces()
+            with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
+                self.body(size)
+        finally:
+            torch._C._cuda_clearCublasWorkspaces()
+            if gc_was_enabled:
+                gc.enable()
         torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
         pool = torch.cuda.memory_reserved() - res0

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from zos.serving import demo
 from zos.serving import trace as ztrace
-from zos.serving.distributed import dp_generate, init_distributed, tp_generate
+from zos.serving.distributed import dp_generate, init_distributed, shutdown_distributed, tp_generate
 from zos.serving.engine import Engine, Request
 from zos.serving.report import first_mismatch
 
@@ -127,8 +127,7 @@ def rank_main(args) -> dict | None:
         runs[backend] = _run(model, s, backend, ctx.device, requests(), tp, ctx)
     gathered = [None] * ctx.world_size
     dist.all_gather_object(gathered, runs, group=ctx.cpu_group)
-    dist.barrier(group=ctx.cpu_group)
-    dist.destroy_process_group()
+    shutdown_distributed(ctx)
     if ctx.rank != 0:
         return None
     return _report(s, info, source, tp, dp, gathered, ctx, args.out)

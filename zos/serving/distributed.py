@@ -29,6 +29,7 @@ ranks of vLLM and SGLang do before an expert-parallel layer. :func:`dp_generate`
 """
 from __future__ import annotations
 
+import gc
 import hashlib
 import os
 import time
@@ -93,6 +94,20 @@ def init_distributed(*, rank: int | None = None, world_size: int | None = None,
     dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     cpu_group = dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
     return DistContext(rank, world, dev, backend, cpu_group)
+
+
+def shutdown_distributed(ctx: DistContext) -> None:
+    """Leave ``torch.distributed`` on every rank: collect garbage and synchronize the GPU, so
+    that no CUDA graph with an NCCL collective captured in it (the TP decode graphs) outlives
+    its communicator, then a barrier on the host group and ``destroy_process_group``. Callers
+    drop their engines first. (On 2 x H200, torch 2.11 and NCCL 2.28, a TP rank that destroyed
+    the process group with its engine's graphs alive and no barrier hung there.)"""
+    gc.collect()
+    if ctx.device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+    dist.barrier(group=ctx.cpu_group)
+    dist.destroy_process_group()
 
 
 def metadata_checksum(buffers: DecodeBuffers) -> str:
@@ -216,27 +231,42 @@ class DPRunner:
     Every rank's engine must have the same ``max_num_seqs`` and bucket table (the agreed size
     is one of the ranks' own; a size past another rank's buffers raises ValueError there, from
     ``MetadataBackend.stage``), and every rank must make the same number of calls to
-    :meth:`decode` plus :meth:`idle_step` (one per engine step: :func:`dp_generate`)."""
+    :meth:`decode` plus :meth:`idle_step` (one per engine step: :func:`dp_generate`).
+
+    A rank whose decode raises (a step its backend refuses, a CUDA error) takes part in one
+    more agreement, flagged as failed, before the error leaves :meth:`decode`; every other rank
+    raises RuntimeError naming it at that agreement (their next engine step) instead of
+    waiting for it until the collective timeout.
+    """
 
     def __init__(self, runner, ctx: DistContext) -> None:
         self.runner, self.ctx, self.stats = runner, ctx, DPStats()
-        self._t = torch.zeros(2, dtype=torch.int64)
+        self._t = torch.zeros(3, dtype=torch.int64)
         self.decoded, self.any_active = False, True
 
     def __getattr__(self, name):
         return getattr(self.runner, name)
 
-    def agree(self, local: int, active: bool) -> tuple[int, bool]:
-        """One ``all_reduce(MAX)`` of (local padded size, active) on the host group: the
-        padded size every rank runs and whether any rank still has work."""
+    def agree(self, local: int, active: bool, *, failed: bool = False) -> tuple[int, bool]:
+        """One ``all_reduce(MAX)`` of (local padded size, active, failed rank + 1 or 0) on the
+        host group: the padded size every rank runs and whether any rank still has work.
+
+        Raises:
+            RuntimeError: another rank reported a failed decode step (this rank's own failure
+                is raised by :meth:`decode`).
+        """
         t0 = time.perf_counter()
         self._t[0], self._t[1] = local, int(active)
+        self._t[2] = self.ctx.rank + 1 if failed else 0
         dist.all_reduce(self._t, op=dist.ReduceOp.MAX, group=self.ctx.cpu_group)
-        padded, self.any_active = int(self._t[0]), bool(self._t[1])
+        padded, self.any_active, failed_rank = int(self._t[0]), bool(self._t[1]), int(self._t[2])
         s = self.stats
         s.agree_us.append((time.perf_counter() - t0) * 1e6)
         s.local.append(local)
         s.agreed.append(padded)
+        if failed_rank and not failed:
+            raise RuntimeError(f"data parallelism: rank {failed_rank - 1} failed its decode "
+                               f"step; rank {self.ctx.rank} stops too")
         return padded, self.any_active
 
     def decode(self, step: DecodeStep, *, min_padded_size: int = 0):
@@ -245,7 +275,7 @@ class DPRunner:
         padded, _ = self.agree(local, True)
         self.decoded = True
         self.stats.dummy.append(False)
-        return self.runner.decode(step, min_padded_size=padded)
+        return self._run(step, padded)
 
     def idle_step(self, active: bool) -> None:
         """This rank did not decode this engine step: agree with size 0, then a dummy step
@@ -253,7 +283,14 @@ class DPRunner:
         padded, _ = self.agree(0, active)
         self.stats.dummy.append(padded > 0)
         if padded:
-            self.runner.decode(DecodeStep.build([]), min_padded_size=padded)
+            self._run(DecodeStep.build([]), padded)
+
+    def _run(self, step: DecodeStep, padded: int):
+        try:
+            return self.runner.decode(step, min_padded_size=padded)
+        except Exception:
+            self.agree(0, True, failed=True)  # the others' next agreement: they stop too
+            raise
 
 
 def dp_generate(engine, requests, ctx: DistContext) -> tuple[dict, DPStats]:
