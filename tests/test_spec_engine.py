@@ -141,9 +141,13 @@ def test_spec_config_errors(llama):
         Engine(llama, EngineConfig(block_size=BS, num_kv_blocks=200,
                                    max_model_len=LLAMA_CFG.max_position_embeddings - 3,
                                    num_draft_tokens=2), DEVICE, overlap=True)
-    with pytest.raises(ValueError, match="num_draft_tokens"):
+    with pytest.raises(ValueError, match="num_draft_tokens: must be >= 0, got -1"):
         Engine(llama, EngineConfig(block_size=BS, num_kv_blocks=64, max_model_len=24,
                                    num_draft_tokens=-1), DEVICE)
+    for bad in (2.0, True):
+        with pytest.raises(TypeError, match="num_draft_tokens: expected an int"):
+            Engine(llama, EngineConfig(block_size=BS, num_kv_blocks=64, max_model_len=24,
+                                       num_draft_tokens=bad), DEVICE)
     with pytest.raises(ValueError, match="draft positions"):
         Engine(llama, EngineConfig(block_size=BS, num_kv_blocks=200,
                                    max_model_len=LLAMA_CFG.max_position_embeddings,

@@ -138,8 +138,11 @@ def test_errors():
     bufs = DecodeBuffers(4, 8, 4, uniform_decode_query_len=3, device=DEVICE)
     with pytest.raises(ValueError, match="1 \\+ num_draft_tokens = 2"):
         SpecDecoder(bufs, num_kv_blocks=10, num_draft_tokens=1)
-    with pytest.raises(ValueError, match="num_draft_tokens"):
+    with pytest.raises(ValueError, match="num_draft_tokens: must be >= 1, got 0"):
         SpecDecoder(bufs, num_kv_blocks=10, num_draft_tokens=0)
+    for bad in (2.0, True, "2"):
+        with pytest.raises(TypeError, match="num_draft_tokens: expected an int"):
+            SpecDecoder(bufs, num_kv_blocks=10, num_draft_tokens=bad)
     with pytest.raises(ValueError, match="min_n"):
         SpecDecoder(bufs, num_kv_blocks=10, num_draft_tokens=2, min_n=3, max_n=2)
     spec = SpecDecoder(bufs, num_kv_blocks=10, num_draft_tokens=2)

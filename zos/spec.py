@@ -42,6 +42,7 @@ class SpecDecoder:
             bonus); entries past a, and rows >= N, keep older values.
 
     Raises:
+        TypeError: num_draft_tokens not an int.
         ValueError: q != 1 + num_draft_tokens, num_draft_tokens < 1, 1 <= min_n <= max_n
             violated, or num_kv_blocks < 2.
     """
@@ -49,8 +50,10 @@ class SpecDecoder:
     def __init__(self, buffers: DecodeBuffers, *, num_kv_blocks: int, num_draft_tokens: int,
                  min_n: int = 1, max_n: int = 3) -> None:
         q = buffers.uniform_decode_query_len
-        if not isinstance(num_draft_tokens, int) or num_draft_tokens < 1:
-            raise ValueError(f"num_draft_tokens must be an int >= 1, got {num_draft_tokens!r}")
+        if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int):
+            raise TypeError(f"num_draft_tokens: expected an int, got {num_draft_tokens!r}")
+        if num_draft_tokens < 1:
+            raise ValueError(f"num_draft_tokens: must be >= 1, got {num_draft_tokens}")
         if q != 1 + num_draft_tokens:
             raise ValueError(f"buffers.uniform_decode_query_len must be 1 + num_draft_tokens = "
                              f"{1 + num_draft_tokens}, got {q}")

@@ -23,7 +23,14 @@ from zos.serving.models import allocate_kv_cache
 from zos.serving.readback import SampledReadback
 from zos.serving.runner import GraphRunner, check_graph_options
 from zos.serving.spec_engine import decode_spec, drain_spec
-from zos.serving.types import EngineConfig, Request, RunResult, StepRecord, make_buckets
+from zos.serving.types import (
+    EngineConfig,
+    Request,
+    RunResult,
+    StepRecord,
+    check_num_draft_tokens,
+    make_buckets,
+)
 from zos.spec import SpecDecoder
 from zos.step import DecodeStep
 
@@ -55,7 +62,8 @@ class Engine:
 
     Raises ValueError: unknown backend/policy, num_kv_blocks too small for one request of
     max_model_len, max_model_len (+ K, + 2K with overlap) above the model's
-    max_position_embeddings (RoPE table), or num_draft_tokens < 0.
+    max_position_embeddings (RoPE table), or num_draft_tokens < 0 (TypeError if it is not an
+    int).
     """
 
     def __init__(self, model, config: EngineConfig, device: torch.device | str = "cpu", *,
@@ -63,8 +71,7 @@ class Engine:
         c, cfg, bs = model.config, config, config.block_size
         self.model, self.config, self.device = model, config, torch.device(device)
         k = cfg.num_draft_tokens
-        if not isinstance(k, int) or k < 0:
-            raise ValueError(f"num_draft_tokens must be an int >= 0, got {k!r}")
+        check_num_draft_tokens(k)
         # Draft rows write up to K positions past the last token a request can hold (2K when
         # a step is staged before the previous step's accepted counts are known).
         reach = k * (2 if overlap else 1)

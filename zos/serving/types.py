@@ -91,6 +91,15 @@ class RunResult:
     totals: dict[str, float]
 
 
+def check_num_draft_tokens(k) -> None:
+    """TypeError unless ``k`` (draft tokens per request and step) is an int (not a bool),
+    ValueError if it is below 0 (0: plain decode)."""
+    if isinstance(k, bool) or not isinstance(k, int):
+        raise TypeError(f"num_draft_tokens: expected an int, got {k!r}")
+    if k < 0:
+        raise ValueError(f"num_draft_tokens: must be >= 0, got {k}")
+
+
 def make_buckets(cfg: EngineConfig,
                  num_draft_tokens: int | None = None) -> BucketTable | None:
     """The decode bucket table of ``cfg`` (token rows, q = 1 + k per request, k =
@@ -108,10 +117,7 @@ def make_buckets(cfg: EngineConfig,
     TypeError/ValueError for a num_draft_tokens that is not an int >= 0."""
     if num_draft_tokens is None:
         num_draft_tokens = cfg.num_draft_tokens
-    if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int):
-        raise TypeError(f"num_draft_tokens: expected an int, got {num_draft_tokens!r}")
-    if num_draft_tokens < 0:
-        raise ValueError(f"num_draft_tokens: must be >= 0, got {num_draft_tokens}")
+    check_num_draft_tokens(num_draft_tokens)
     q = 1 + num_draft_tokens
     if cfg.buckets is not None or cfg.bucket_policy is None:
         b = cfg.buckets
