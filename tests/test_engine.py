@@ -5,8 +5,9 @@ import random
 import pytest
 
 from zos.buffers import NULL_BLOCK, PAD_SLOT_ID
-from zos.serving.engine import Engine, EngineConfig, Request, _place
+from zos.serving.engine import Engine, EngineConfig, Request
 from zos.serving.kv_blocks import BlockAllocator
+from zos.serving.row_layout import place_rows
 
 from helpers import DEVICE, LLAMA_BLOCK_SIZE, LLAMA_CFG, greedy_reference
 
@@ -162,13 +163,13 @@ def test_request_ids_unique_and_queueing_all_or_none(llama):
 def test_place_fills_holes_then_condenses():
     a, b, c, x, y = "abcxy"
     rows = [a, None, b, None, c]
-    _place(rows, [x])
+    place_rows(rows, [x])
     assert rows == [a, x, b, c]
     rows = [a, None, b, None, c]
-    _place(rows, [])
+    place_rows(rows, [])
     assert rows == [a, c, b]
     rows = [None, a, None]
-    _place(rows, [x, y, c])
+    place_rows(rows, [x, y, c])
     assert rows == [x, a, y, c]
 
 

@@ -21,8 +21,9 @@ from zos.host_backend import HostMetadataBackend
 from zos.serving.kv_blocks import BlockAllocator
 from zos.serving.models import allocate_kv_cache
 from zos.serving.readback import SampledReadback
+from zos.serving.row_layout import place_rows
 from zos.serving.runner import GraphRunner, check_graph_options
-from zos.serving.spec_engine import decode_spec, drain_spec
+from zos.serving.spec_engine import SpecDecodeMixin
 from zos.serving.types import (
     EngineConfig,
     Request,
@@ -35,11 +36,11 @@ from zos.spec import SpecDecoder
 from zos.step import DecodeStep
 
 
-class Engine:
+class Engine(SpecDecodeMixin):
     """Continuous batching over ``model`` (a zos LlamaForCausalLM) on ``device``: builds the
     KV caches, DecodeBuffers (max_num_seqs rows), the metadata backend and a GraphRunner, and
     captures decode graphs on CUDA with ``use_cuda_graph``. Rows stay where they are between
-    decode steps (see ``_place``); a carried row that cannot get a block preempts, by
+    decode steps (see ``row_layout.place_rows``); a carried row that cannot get a block preempts, by
     recompute, the most recently admitted running request.
 
     ``overlap``: the host schedules and stages step t+1 while the GPU runs step t (SGLang's
@@ -374,7 +375,7 @@ class Engine:
                     break
                 self._preempt_newest(rows, row_of, fresh, appended)
         exact = True  # every req_id of a new row fits the int64 cache as is
-        for i in _place(rows, fresh):
+        for i in place_rows(rows, fresh):
             row_of[rows[i]] = i
             exact = _fits_int64(rows[i].req_id) and exact
             if exact:
@@ -405,12 +406,6 @@ class Engine:
         self._pending.append((set(), due))
         return self._record("decode", res.path, res.num_reqs, res.padded_size, res.prep_us,
                             res.upload_bytes, t0, res.eager_reason)
-
-    def _decode_spec(self, fresh: list[Request]) -> StepRecord | None:
-        return decode_spec(self, fresh)
-
-    def _drain_spec(self) -> None:
-        drain_spec(self)
 
     def _drain(self) -> None:
         """Append the tokens of the oldest pending decode step. A request that finished or was
@@ -451,32 +446,3 @@ def _fits_int64(req_id) -> bool:
     range); for anything else DecodeStep.build raises the error that names it."""
     return (isinstance(req_id, (int, np.integer)) and not isinstance(req_id, (bool, np.bool_))
             and _I64.min <= req_id <= _I64.max)
-
-
-def _place(rows: list, fresh: list) -> list[int]:
-    """Stable row layout, in place: new requests fill holes (lowest first), remaining holes are
-    closed by moving the LAST rows into them (vLLM's InputBatch.condense), then the rest of the
-    new requests are appended. Rows that neither finished nor moved keep their index.
-
-    Returns the rows written (a new or moved request now there), ascending."""
-    holes, i = [], -1
-    for _ in range(rows.count(None)):  # C-speed scans: nothing to do in a steady step
-        i = rows.index(None, i + 1)
-        holes.append(i)
-    written = []
-    for req in fresh:
-        if holes:
-            written.append(holes.pop(0))
-            rows[written[-1]] = req
-        else:
-            written.append(len(rows))
-            rows.append(req)
-    for h in holes:  # ascending; left only when every new request found a hole
-        while rows and rows[-1] is None:
-            rows.pop()
-        if h < len(rows):
-            rows[h] = rows.pop()
-            written.append(h)
-    while rows and rows[-1] is None:
-        rows.pop()
-    return sorted(written)
