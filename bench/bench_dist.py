@@ -173,7 +173,7 @@ def run_dp(model, backend, overlap, n, args, ctx, skew: bool) -> dict:
 
 def agree_alone(ctx, reps=200) -> float:
     """Median host us of the DP agreement's all_reduce back to back (no rank skew)."""
-    t = torch.zeros(2, dtype=torch.int64)
+    t = torch.zeros(3, dtype=torch.int64)  # as DPRunner.agree: size, active, failed rank
     dist.barrier(group=ctx.cpu_group)
     us = []
     for _ in range(reps):

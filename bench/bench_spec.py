@@ -120,6 +120,9 @@ def main() -> int:
     ap.add_argument("--out", required=True, help="JSON file to write")
     ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU (script check)")
     args = ap.parse_args()
+    for name in ("repeats", "steps"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name}: expected an int >= 1, got {getattr(args, name)}")
     if args.smoke:
         device = torch.device("cpu")
         model = random_llama(LlamaConfig(vocab_size=101, hidden_size=64, intermediate_size=128,

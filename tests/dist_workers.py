@@ -94,39 +94,50 @@ def dp_worker(rank: int, world: int, init: str, out: str, overlap: bool) -> None
 
 
 class FailingRunner:
-    """A GraphRunner whose ``fail_at``-th decode call raises ValueError (as a step its backend
-    refuses does, before anything is written); other attributes are the runner's."""
+    """A GraphRunner whose ``fail_at``-th call of ``method`` ("decode" or "prefill") raises
+    ValueError (as a step its backend refuses does, before anything is written); other
+    attributes are the runner's."""
 
-    def __init__(self, runner, fail_at: int) -> None:
-        self.runner, self.fail_at, self.calls = runner, fail_at, 0
+    def __init__(self, runner, method: str, fail_at: int) -> None:
+        self.runner, self.method, self.fail_at, self.calls = runner, method, fail_at, 0
 
     def __getattr__(self, name):
         return getattr(self.runner, name)
 
+    def _count(self, method: str) -> None:
+        if method == self.method:
+            self.calls += 1
+            if self.calls == self.fail_at:
+                raise ValueError(f"injected: {method} call {self.calls} refused")
+
     def decode(self, step, *, min_padded_size=0):
-        self.calls += 1
-        if self.calls == self.fail_at:
-            raise ValueError(f"injected: decode call {self.calls} refused")
+        self._count("decode")
         return self.runner.decode(step, min_padded_size=min_padded_size)
 
+    def prefill(self, seqs):
+        self._count("prefill")
+        return self.runner.prefill(seqs)
 
-def _dp_fail_run(ctx) -> dict:
+
+def _dp_fail_run(ctx, method: str, fail_at: int) -> dict:
     engine = Engine(random_llama(LLAMA_CFG, seed=0, device=ctx.device), engine_config("host"),
                     ctx.device)
     if ctx.rank == 1:
-        engine.runner = FailingRunner(engine.runner, fail_at=3)
+        engine.runner = FailingRunner(engine.runner, method, fail_at)
     engine.runner = DPRunner(engine.runner, ctx)
     try:
         dp_generate(engine, make_requests(300 + ctx.rank, 5, 12), ctx)
         error = None
     except Exception as e:  # noqa: BLE001 - the test reads which error each rank saw
         error = f"{type(e).__name__}: {e}"
-    return dict(error=error, agreements=len(engine.runner.stats.agreed))
+    stats = engine.runner.stats
+    return dict(error=error, agreements=len(stats.agreed), dummy=len(stats.dummy))
 
 
-def dp_fail_worker(rank: int, world: int, init: str, out: str, timeout_s: float) -> None:
-    """DP where rank 1's third decode call raises: each rank records the error it stopped
-    with and its agreements (host backend; collectives time out after ``timeout_s``)."""
+def dp_fail_worker(rank: int, world: int, init: str, out: str, method: str, fail_at: int,
+                   timeout_s: float) -> None:
+    """DP where rank 1's ``fail_at``-th ``method`` call raises: each rank records the error it
+    stopped with and its agreements (host backend; collectives time out after ``timeout_s``)."""
     ctx = _start(rank, world, init, timeout_s)
-    _write(out, rank, _dp_fail_run(ctx))
+    _write(out, rank, _dp_fail_run(ctx, method, fail_at))
     shutdown_distributed(ctx)

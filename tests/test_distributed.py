@@ -86,15 +86,20 @@ def test_dp2_agreement_dummy_steps_tokens(dp_runs, llama, backend):
 
 
 @needs_world
-def test_dp_rank_failure_stops_every_rank(tmp_path):
-    """Rank 1's third decode raises: it stops with that error, and rank 0 stops at its next
-    agreement with an error naming rank 1 (without the failure flag it waited for rank 1 until
-    the collective timed out, 120 s here, and stopped with gloo's timeout error)."""
-    ranks = spawn(W.dp_fail_worker, (120.0,), tmp_path)
-    assert ranks[1]["error"] == "ValueError: injected: decode call 3 refused"
-    assert ranks[0]["error"] == ("RuntimeError: data parallelism: rank 1 failed its decode "
+@pytest.mark.parametrize("method, fail_at", [("decode", 3), ("prefill", 2)])
+def test_dp_rank_failure_stops_every_rank(tmp_path, method, fail_at):
+    """Rank 1's engine step raises (in its third decode, after that step's agreement, or in its
+    second prefill, before it): it stops with that error, and rank 0 stops at the agreement
+    that meets rank 1's flagged one, with an error naming rank 1 (without the flag rank 0
+    waited for rank 1 until the collective timed out, 120 s here, and stopped with gloo's
+    timeout error). Both recorded the same agreements, one per engine step."""
+    ranks = spawn(W.dp_fail_worker, (method, fail_at, 120.0), tmp_path)
+    assert ranks[1]["error"] == f"ValueError: injected: {method} call {fail_at} refused"
+    assert ranks[0]["error"] == ("PeerRankFailed: data parallelism: rank 1 failed its engine "
                                  "step; rank 0 stops too")
-    assert ranks[0]["agreements"] == ranks[1]["agreements"] >= 3
+    assert ranks[0]["agreements"] == ranks[1]["agreements"] >= fail_at - 1
+    for r in ranks:
+        assert r["dummy"] == r["agreements"]
 
 
 # --- one process: shards and the padded-size override ----------------------------------------

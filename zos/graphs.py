@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import gc
 import time
+import warnings
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -65,10 +66,12 @@ class GraphCache:
          marked over budget: that size runs eagerly from then on (the first capture of a size can
          overshoot the budget by its own cost, transiently).
 
-    A capture that raises RuntimeError (what CUDA and cuBLAS errors inside a capture raise) is
-    recorded (``failures[size]``, the log) and its size runs eagerly from then on, never
-    captured again: the step that ran eagerly before it stays valid, so a serving loop goes on
-    (llama.cpp likewise falls back to running without its graph when capture fails).
+    A capture that raises RuntimeError (what CUDA and cuBLAS errors inside a capture raise,
+    ``torch.OutOfMemoryError`` included) is recorded (``failures[size]``, the exception; the
+    log) with a ``RuntimeWarning``, and its size runs eagerly from then on, never captured
+    again, even if the cause was a transient lack of memory: the step that ran eagerly before it
+    stays valid, so a serving loop goes on (llama.cpp likewise falls back to running without
+    its graph when capture fails).
 
     Args:
         capture: ``capture(size) -> CapturedGraph``; kept as the attribute ``capture_fn``.
@@ -92,7 +95,7 @@ class GraphCache:
         self._entries: OrderedDict[int, CapturedGraph] = OrderedDict()  # LRU first
         self._cost: dict[int, int] = {}  # nbytes of each size's last capture
         self._over: set[int] = set()
-        self.failures: dict[int, str] = {}  # size -> the error its capture raised
+        self.failures: dict[int, RuntimeError] = {}  # size -> the error its capture raised
         self.pool_bytes = 0
         self.hits = self.misses = self.captures = self.evictions = 0
         self.capture_seconds = 0.0
@@ -160,8 +163,11 @@ class GraphCache:
         try:
             cap = self.capture_fn(size)
         except RuntimeError as e:
-            self.failures[size] = f"{type(e).__name__}: {e}"
-            self.log.append(dict(event=CAPTURE_FAILED, size=size, error=self.failures[size]))
+            self.failures[size] = e
+            self.log.append(dict(event=CAPTURE_FAILED, size=size,
+                                 error=f"{type(e).__name__}: {e}"))
+            warnings.warn(f"capture of the {size}-row graph failed ({type(e).__name__}: {e}); "
+                          f"that size runs eagerly from now on", RuntimeWarning, stacklevel=2)
             return False
         self.captures += 1
         self.capture_seconds += cap.seconds
@@ -222,8 +228,7 @@ def warm_up(sizes: Iterable[int], body: Callable[[int], None]) -> None:
 
 class CudaGraphCapturer:
     """``capturer(size) -> CapturedGraph``: ``body(size)`` recorded into a ``torch.cuda.CUDAGraph``
-    in one memory pool shared by all its captures (``torch.cuda.graph_pool_handle()``), on a
-    capture stream of its own.
+    in one memory pool shared by all its captures (``torch.cuda.graph_pool_handle()``).
 
     Capture records, it does not execute: ``torch.cuda.graph`` synchronizes the device, switches
     to the capture stream and calls ``CUDAGraph.capture_begin``, i.e. ``cudaStreamBeginCapture``:
@@ -247,11 +252,12 @@ class CudaGraphCapturer:
     ``torch/_inductor/cudagraph_trees.py``), every capture starts and ends with the workspace
     cache cleared: each graph's workspace is allocated inside the capture, from this pool, and
     belongs to the graphs of this pool alone (the pool keeps it while one of them lives;
-    replays are sequential, so graphs of one pool may share it). The capture stream is this
-    capturer's own, so graphs of other runners, captured on torch's default capture stream,
-    never drop anything of ours, and Python's garbage collector is paused during a capture
-    (``torch.cuda.graph`` collects right before ``capture_begin``), so no graph is destroyed in
-    the middle of one.
+    replays are sequential, so graphs of one pool may share it); what a destroyed graph drops
+    is then never a workspace of a live graph. Python's garbage collector is paused during a
+    capture, so no graph is destroyed in the middle of one (an automatic collection can run at
+    any allocation of Python objects in ``body``). Captures run on a side stream from torch's
+    stream pool rather than torch's one default capture stream; the pool hands streams out
+    round-robin, so capturers may share one: the clearing, not the stream, is what protects.
 
     Measured per capture, after ``torch.cuda.empty_cache()`` and a device synchronize:
     ``pool_bytes``, the growth of ``torch.cuda.memory_reserved()`` (only the pool allocates during
@@ -259,6 +265,9 @@ class CudaGraphCapturer:
     (``torch.cuda.mem_get_info``: the instantiated graph, in the driver; 0 when it rounds below
     the driver's granularity). ``release_pool()`` forgets the pool (the next capture starts a
     new one); ``GraphCache`` calls it once no graph of the pool is left. CUDA only.
+
+    Raises (from a call): RuntimeError (``torch.OutOfMemoryError`` included) for a CUDA,
+    cuBLAS or allocation error during the capture, or an illegal operation in ``body``.
     """
 
     def __init__(self, body: Callable[[int], None]) -> None:
@@ -281,9 +290,11 @@ class CudaGraphCapturer:
             with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
                 self.body(size)
         finally:
-            torch._C._cuda_clearCublasWorkspaces()
-            if gc_was_enabled:
-                gc.enable()
+            try:
+                torch._C._cuda_clearCublasWorkspaces()
+            finally:
+                if gc_was_enabled:
+                    gc.enable()
         torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
         pool = torch.cuda.memory_reserved() - res0

@@ -21,11 +21,12 @@ step (one ``all_gather_object``; for tests, it syncs the device).
 
 DP (every rank its own requests, engine and backend, a full model): :class:`DPRunner`
 wraps a rank's runner; before each decode step the ranks agree on the padded size, the
-largest of their buckets, with one ``all_reduce(MAX)`` of two int64 on the host group (the
-local bucket, and whether the rank still has work), and each stages its step with that
-``min_padded_size``. A rank with no decode in an engine step runs a dummy step (N = 0, all
-dummy rows) of the agreed size, so all ranks replay graphs of one size in lockstep, as DP
-ranks of vLLM and SGLang do before an expert-parallel layer. :func:`dp_generate` is that loop.
+largest of their buckets, with one ``all_reduce(MAX)`` of three int64 on the host group (the
+local bucket, whether the rank still has work, and a failed rank, if any), and each stages its
+step with that ``min_padded_size``. A rank with no decode in an engine step runs a dummy step
+(N = 0, all dummy rows) of the agreed size, so all ranks replay graphs of one size in lockstep,
+as DP ranks of vLLM and SGLang do before an expert-parallel layer. :func:`dp_generate` is that
+loop.
 """
 from __future__ import annotations
 
@@ -101,7 +102,10 @@ def shutdown_distributed(ctx: DistContext) -> None:
     that no CUDA graph with an NCCL collective captured in it (the TP decode graphs) outlives
     its communicator, then a barrier on the host group and ``destroy_process_group``. Callers
     drop their engines first. (On 2 x H200, torch 2.11 and NCCL 2.28, a TP rank that destroyed
-    the process group with its engine's graphs alive and no barrier hung there.)"""
+    the process group with its engine's graphs alive and no barrier hung there.)
+
+    Raises:
+        RuntimeError: the barrier timed out (a rank did not reach it) or the group failed."""
     gc.collect()
     if ctx.device.type == "cuda":
         torch.cuda.synchronize()
@@ -224,6 +228,11 @@ class DPStats:
     agree_us: list[float] = field(default_factory=list)
 
 
+class PeerRankFailed(RuntimeError):
+    """Raised on every data-parallel rank that learns, at an agreement, that another rank
+    failed its engine step (:class:`DPRunner`)."""
+
+
 class DPRunner:
     """A DP rank's runner: each decode agrees on the padded size first (see the module
     docstring); other attributes are the wrapped GraphRunner's. ``stats`` records each step.
@@ -233,71 +242,95 @@ class DPRunner:
     ``MetadataBackend.stage``), and every rank must make the same number of calls to
     :meth:`decode` plus :meth:`idle_step` (one per engine step: :func:`dp_generate`).
 
-    A rank whose decode raises (a step its backend refuses, a CUDA error) takes part in one
-    more agreement, flagged as failed, before the error leaves :meth:`decode`; every other rank
-    raises RuntimeError naming it at that agreement (their next engine step) instead of
-    waiting for it until the collective timeout.
+    The agreement also carries a failure flag: a rank whose engine step raised (a step its
+    backend refuses, a prefill or read-back error) sends one more agreement flagged as failed
+    (:meth:`report_failure`, called by :func:`dp_generate`), and every other rank raises
+    :class:`PeerRankFailed` at that agreement, instead of waiting for it until the collective
+    timeout. ``collective_failed`` records that the all_reduce itself raised (then no flagged
+    agreement is tried).
     """
 
     def __init__(self, runner, ctx: DistContext) -> None:
         self.runner, self.ctx, self.stats = runner, ctx, DPStats()
         self._t = torch.zeros(3, dtype=torch.int64)
-        self.decoded, self.any_active = False, True
+        self.decoded, self.any_active, self.collective_failed = False, True, False
 
     def __getattr__(self, name):
         return getattr(self.runner, name)
 
     def agree(self, local: int, active: bool, *, failed: bool = False) -> tuple[int, bool]:
         """One ``all_reduce(MAX)`` of (local padded size, active, failed rank + 1 or 0) on the
-        host group: the padded size every rank runs and whether any rank still has work.
+        host group: the padded size every rank runs and whether any rank still has work. An
+        agreement that carries a failure is not recorded in ``stats``.
 
         Raises:
-            RuntimeError: another rank reported a failed decode step (this rank's own failure
-                is raised by :meth:`decode`).
+            PeerRankFailed: another rank reported a failed engine step.
+            RuntimeError: the collective itself failed or timed out (``collective_failed``).
         """
         t0 = time.perf_counter()
         self._t[0], self._t[1] = local, int(active)
         self._t[2] = self.ctx.rank + 1 if failed else 0
-        dist.all_reduce(self._t, op=dist.ReduceOp.MAX, group=self.ctx.cpu_group)
+        try:
+            dist.all_reduce(self._t, op=dist.ReduceOp.MAX, group=self.ctx.cpu_group)
+        except Exception:
+            self.collective_failed = True
+            raise
         padded, self.any_active, failed_rank = int(self._t[0]), bool(self._t[1]), int(self._t[2])
+        if failed_rank:
+            if failed:
+                return padded, self.any_active
+            raise PeerRankFailed(f"data parallelism: rank {failed_rank - 1} failed its engine "
+                                 f"step; rank {self.ctx.rank} stops too")
         s = self.stats
         s.agree_us.append((time.perf_counter() - t0) * 1e6)
         s.local.append(local)
         s.agreed.append(padded)
-        if failed_rank and not failed:
-            raise RuntimeError(f"data parallelism: rank {failed_rank - 1} failed its decode "
-                               f"step; rank {self.ctx.rank} stops too")
         return padded, self.any_active
 
     def decode(self, step: DecodeStep, *, min_padded_size: int = 0):
-        """Agree, then ``GraphRunner.decode`` padded to the agreed size."""
+        """Agree, then ``GraphRunner.decode`` padded to the agreed size.
+
+        Raises: what :meth:`agree` and ``GraphRunner.decode`` raise."""
         local = max(self.runner.backend.plan(step.num_reqs).padded_size, min_padded_size)
         padded, _ = self.agree(local, True)
         self.decoded = True
         self.stats.dummy.append(False)
-        return self._run(step, padded)
+        return self.runner.decode(step, min_padded_size=padded)
 
     def idle_step(self, active: bool) -> None:
         """This rank did not decode this engine step: agree with size 0, then a dummy step
-        of the agreed size if another rank decodes."""
+        of the agreed size if another rank decodes.
+
+        Raises: what :meth:`agree` and ``GraphRunner.decode`` raise."""
         padded, _ = self.agree(0, active)
         self.stats.dummy.append(padded > 0)
         if padded:
-            self._run(DecodeStep.build([]), padded)
+            self.runner.decode(DecodeStep.build([]), min_padded_size=padded)
 
-    def _run(self, step: DecodeStep, padded: int):
+    def report_failure(self) -> None:
+        """This rank's engine step raised: one agreement flagged as failed, which meets the
+        other ranks' current or next agreement (whether the step failed before or after its
+        own), so they stop. Nothing is tried if the collective itself failed; an error of the
+        flagged agreement (e.g. its timeout) is swallowed: the caller re-raises the original."""
+        if self.collective_failed:
+            return
         try:
-            return self.runner.decode(step, min_padded_size=padded)
-        except Exception:
-            self.agree(0, True, failed=True)  # the others' next agreement: they stop too
-            raise
+            self.agree(0, True, failed=True)
+        except Exception:  # noqa: BLE001, S110 - the original error is what the caller raises
+            pass
 
 
 def dp_generate(engine, requests, ctx: DistContext) -> tuple[dict, DPStats]:
     """Run this rank's ``requests`` on ``engine`` in lockstep with the other DP ranks (each
     calls it with its own engine and requests; one agreement per engine step, see
     :class:`DPRunner`, which wraps ``engine.runner`` here). Returns ``({req_id: tokens},
-    stats)``."""
+    stats)``.
+
+    Raises:
+        PeerRankFailed: another rank's engine step raised.
+        Exception: this rank's own engine-step error, after the other ranks were told
+            (:meth:`DPRunner.report_failure`).
+    """
     if not isinstance(engine.runner, DPRunner):
         engine.runner = DPRunner(engine.runner, ctx)
     dp = engine.runner
@@ -306,9 +339,15 @@ def dp_generate(engine, requests, ctx: DistContext) -> tuple[dict, DPStats]:
     while True:
         active = engine.has_unfinished()
         dp.decoded = False
-        if active:
-            engine.step()
-        if not dp.decoded:
-            dp.idle_step(active)
+        try:
+            if active:
+                engine.step()
+            if not dp.decoded:
+                dp.idle_step(active)
+        except PeerRankFailed:
+            raise
+        except Exception:
+            dp.report_failure()
+            raise
         if not dp.any_active:
             return {r.req_id: list(r.output) for r in reqs}, dp.stats

@@ -65,8 +65,8 @@ class DecodeResult:
         eager_reason: why an eager step had no graph, None on the graph path: "no bucket"
             (N * q above the largest bucket), "graphs off" (no graph cache: graphs disabled,
             no CUDA, or ``capture()`` not called), or the cache's ``zos.graphs`` reason:
-            "not captured yet", "evicted", "over budget", "capture failed" (the error is in
-            ``cache.failures``).
+            "not captured yet", "evicted", "over budget", "capture failed" (the exception is
+            in ``cache.failures``).
         capture_s: host seconds spent capturing this size's graph right after the step (lazy
             capture), else 0.
     """
@@ -167,9 +167,9 @@ class GraphRunner:
         t0 = time.perf_counter()
         warm_up(buckets.sizes, self._body)
         for s in sorted(buckets.sizes, reverse=True):
-            if not self.cache.capture(s):
-                raise RuntimeError(f"capture of the {s}-row graph failed: "
-                                   f"{self.cache.failures[s]}")
+            if not self.cache.capture(s):  # no budget here: only a failure says False
+                err = self.cache.failures[s]
+                raise RuntimeError(f"capture of the {s}-row graph failed: {err}") from err
         self._up_front_seconds = time.perf_counter() - t0
         self.graph_memory = {"allocated_bytes": torch.cuda.memory_allocated() - alloc0,
                              "reserved_bytes": torch.cuda.memory_reserved() - res0}
