@@ -18,6 +18,7 @@ the per-step collective (TP: the step broadcast; DP: the padded-size agreement),
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
 import os
 import statistics
@@ -148,7 +149,10 @@ def _report(s, info, source, tp, dp, gathered, ctx, out) -> dict:
                         metadata_us=[x["metadata_us"] for x in rows],
                         collective_us=[x["collective_us"] for x in rows], graphs=rows[0]["graphs"])
     mode = f"tp{tp}" if tp > 1 else f"dp{dp}"
-    report = dict(mode=mode, device=str(ctx.device.type), backend=ctx.backend, info=info,
+    name = torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else "cpu"
+    report = dict(mode=mode, device=str(ctx.device.type), device_name=name,
+                  date=datetime.datetime.now().isoformat(timespec="seconds"),
+                  torch=torch.__version__, backend=ctx.backend, info=info,
                   prompt_source=source, settings={k: v for k, v in s.items()},
                   identical=mismatch is None, mismatch=mismatch, backends=table)
     coll = "step broadcast" if tp > 1 else "padded-size agreement"
