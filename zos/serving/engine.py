@@ -40,8 +40,8 @@ class Engine(SpecDecodeMixin):
     """Continuous batching over ``model`` (a zos LlamaForCausalLM) on ``device``: builds the
     KV caches, DecodeBuffers (max_num_seqs rows), the metadata backend and a GraphRunner, and
     captures decode graphs on CUDA with ``use_cuda_graph``. Rows stay where they are between
-    decode steps (see ``row_layout.place_rows``); a carried row that cannot get a block preempts, by
-    recompute, the most recently admitted running request.
+    decode steps (``row_layout.place_rows``); a carried row that cannot get a block preempts,
+    by recompute, the most recently admitted running request.
 
     ``overlap``: the host schedules and stages step t+1 while the GPU runs step t (SGLang's
     overlap scheduler, vLLM's async scheduling): sampled tokens come back through a
