@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from zos._checks import check_int
+
 # spec_rounding values of vllm_policy and deepinfer_policy; the first is the default. "none"
 # keeps the system's raw sizes, not multiples of q: a table a q-uniform runner refuses, kept to
 # show what the rounding changes.
@@ -34,15 +36,6 @@ LLAMACPP_NOTE = (
     "instantiated graph in place (cudaGraphExecUpdate) when only kernel parameters changed, "
     "re-captures when the structure changed, and evicts graphs unused for a while; no padding."
 )
-
-
-def _check_int(field: str, value, lo: int = 1) -> int:
-    """Return ``value`` as int; TypeError if not an integer (bool rejected), ValueError if < lo."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{field}: expected an int, got {value!r} ({type(value).__name__})")
-    if value < lo:
-        raise ValueError(f"{field}: must be >= {lo}, got {value!r}")
-    return int(value)
 
 
 def _spec_sizes(raw, q: int, mx: int, spec_rounding: str, field: str) -> set[int]:
@@ -84,13 +77,13 @@ class BucketTable:
 
     def __init__(self, sizes, *, uniform_decode_query_len: int = 1, alignment: int = 1,
                  uniform_decode: bool = True, name: str = "explicit"):
-        q = self._q = _check_int("uniform_decode_query_len", uniform_decode_query_len)
-        self._alignment = _check_int("alignment", alignment)
+        q = self._q = check_int("uniform_decode_query_len", uniform_decode_query_len)
+        self._alignment = check_int("alignment", alignment)
         sizes = list(sizes)
         if not sizes:
             raise ValueError("sizes: must be non-empty, got []")
         for i, s in enumerate(sizes):
-            _check_int(f"sizes[{i}]", s)
+            check_int(f"sizes[{i}]", s)
             if i and s <= sizes[i - 1]:
                 raise ValueError(f"sizes[{i}]: must be strictly increasing, got {sizes[i - 1]} "
                                  f"then {s}")
@@ -164,7 +157,7 @@ class BucketTable:
         Used where the largest batch must have a graph whatever the policy (``make_buckets``).
         TypeError/ValueError unless n is an int >= 1 that is a multiple of the alignment and, in
         uniform decode, of q."""
-        n = _check_int("n", n)
+        n = check_int("n", n)
         step = math.lcm(self._alignment, self._q if self.uniform_decode else 1)
         if n % step:
             raise ValueError(f"n: {n} is not a multiple of {step} (alignment={self._alignment}, "
@@ -203,8 +196,8 @@ def vllm_policy(max_capture_size: int = 512, *, num_draft_tokens: int = 0,
     (170). With "none" and include_max, max itself is added.
     ValueError for an unknown spec_rounding, or if no size is left (q > max; with "filter" and
     include_max=False, no grid size divisible by q)."""
-    mx = _check_int("max_capture_size", max_capture_size)
-    k = _check_int("num_draft_tokens", num_draft_tokens, 0)
+    mx = check_int("max_capture_size", max_capture_size)
+    k = check_int("num_draft_tokens", num_draft_tokens, 0)
     q = 1 + k
     grid = [s for s in [1, 2, 4, *range(8, 256, 8), *range(256, mx + 1, 16)] if s <= mx]
     sizes = _spec_sizes(grid, q, mx, spec_rounding, "spec_rounding")
@@ -233,10 +226,10 @@ def deepinfer_policy(max_num_seqs: int = 256, *, nextn: int = 0, interval: int =
     multiples of q (64 sizes at 256/5: every 24 rows), "none" keeps DeepInfer's 195 sizes as they
     are (``uniform_decode=False``: a q-uniform runner refuses that table). The max,
     ``max_num_seqs * q``, is always a size. ValueError for an unknown spec_rounding."""
-    seqs, nextn = _check_int("max_num_seqs", max_num_seqs), _check_int("nextn", nextn, 0)
+    seqs, nextn = check_int("max_num_seqs", max_num_seqs), check_int("nextn", nextn, 0)
     q = 1 + nextn
     mx = seqs * q
-    step = min(_check_int("interval", interval), mx)
+    step = min(check_int("interval", interval), mx)
     raw = [1 << i for i in range(step.bit_length()) if (1 << i) < step]
     raw += list(range(step, mx, step)) + [mx]
     sizes = _spec_sizes(raw, q, mx, spec_rounding, "spec_rounding")
@@ -263,8 +256,8 @@ def sglang_batch_sizes(max_bs: int = 256, *, num_draft_tokens: int = 0, attn_tp_
     and ``bs <= pool``; width = 1 + num_draft_tokens (SGLang's num_tokens_per_bs, i.e.
     speculative_num_draft_tokens, which counts the root token too). Two-batch overlap is not
     modelled. ValueError if no size survives."""
-    mx, k = _check_int("max_bs", max_bs), _check_int("num_draft_tokens", num_draft_tokens, 0)
-    tp, cp = _check_int("attn_tp_size", attn_tp_size), _check_int("attn_cp_size", attn_cp_size)
+    mx, k = check_int("max_bs", max_bs), check_int("num_draft_tokens", num_draft_tokens, 0)
+    tp, cp = check_int("attn_tp_size", attn_tp_size), check_int("attn_cp_size", attn_cp_size)
     if k == 0:
         bs = [1, 2, 4, 8, 12] + [*range(16, 257, 8), *range(272, 512, 16), *range(512, mx + 1, 32)]
     else:
@@ -273,7 +266,7 @@ def sglang_batch_sizes(max_bs: int = 256, *, num_draft_tokens: int = 0, attn_tp_
     bs = [b for b in bs if b <= mx] + [mx]
     mul_base = tp if tp % cp == 0 else tp * cp
     if max_running_requests is not None:
-        pool = -(-_check_int("max_running_requests", max_running_requests) // mul_base) * mul_base
+        pool = -(-check_int("max_running_requests", max_running_requests) // mul_base) * mul_base
         bs = [b for b in bs if b <= pool] + ([pool] if max(bs) > pool else [])
     bs = sorted({b for b in bs if b * (1 + k) % mul_base == 0})
     if not bs:
@@ -297,7 +290,7 @@ def trtllm_batch_sizes(max_batch_size: int = 128, *, enable_padding: bool = True
     while <= max (older releases added powers of two from 256 instead); without padding:
     ``range(1, 32) + [32, 64, 128]`` plus powers of two 2**8 .. below 2**ceil(log2 max), and
     graphs only serve exact sizes. Both: cut to <= max, max appended."""
-    mx = _check_int("max_batch_size", max_batch_size)
+    mx = check_int("max_batch_size", max_batch_size)
     if enable_padding:
         sizes = [1, 2, 4] + list(range(8, 129, 8))
         while sizes[-1] + 64 <= mx:
@@ -319,7 +312,7 @@ def trtllm_policy(max_batch_size: int = 128, *, num_draft_tokens: int = 0,
     1 + k token rows, which is bucket ``b * (1 + k)`` here, so one table per draft length k.
     TRT-LLM's own default is enable_padding=False; zos defaults to True because padding is what a
     table models."""
-    k = _check_int("num_draft_tokens", num_draft_tokens, 0)
+    k = check_int("num_draft_tokens", num_draft_tokens, 0)
     bs = trtllm_batch_sizes(max_batch_size, enable_padding=enable_padding)
     return BucketTable([b * (1 + k) for b in bs], uniform_decode_query_len=1 + k, name="trtllm")
 
@@ -337,7 +330,7 @@ def trtllm_graph_keys(max_batch_size: int = 128, max_draft_len: int = 0, *,
     with zero-length drafts (docs/ZOS.md). Not modelled: the dynamic ``draft_len_schedule``
     path, tree decoding (keys use max_total_draft_tokens), and extra key parts (short/long
     sequence for sparse attention, LoRA, in-graph sampling tier)."""
-    d = _check_int("max_draft_len", max_draft_len, 0)
+    d = check_int("max_draft_len", max_draft_len, 0)
     lens = [d] + ([0] if d > 0 and not one_engine and max_concurrency is not None else [])
     bs = trtllm_batch_sizes(max_batch_size, enable_padding=enable_padding)
     return [(b, x) for b in bs for x in lens]

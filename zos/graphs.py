@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from zos._checks import check_int
+
 # Why a bucketed step has no graph (GraphCache.reason).
 NOT_CAPTURED = "not captured yet"
 EVICTED = "evicted"
@@ -86,10 +88,7 @@ class GraphCache:
                  budget_bytes: int | None = None,
                  release_pool: Callable[[], None] | None = None) -> None:
         if budget_bytes is not None:
-            if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int):
-                raise TypeError(f"budget_bytes: expected an int or None, got {budget_bytes!r}")
-            if budget_bytes < 0:
-                raise ValueError(f"budget_bytes: must be >= 0, got {budget_bytes}")
+            budget_bytes = check_int("budget_bytes", budget_bytes, 0)
         self.capture_fn, self._release = capture, release_pool
         self.budget_bytes = budget_bytes
         self._entries: OrderedDict[int, CapturedGraph] = OrderedDict()  # LRU first

@@ -20,6 +20,7 @@ import zos._interpret  # noqa: F401  (sets TRITON_INTERPRET before triton is imp
 import torch
 import triton
 
+from zos._checks import check_int
 from zos.buffers import DecodeBuffers
 from zos.triton_kernels.spec import propose_ngram, verify_greedy
 
@@ -50,10 +51,7 @@ class SpecDecoder:
     def __init__(self, buffers: DecodeBuffers, *, num_kv_blocks: int, num_draft_tokens: int,
                  min_n: int = 1, max_n: int = 3) -> None:
         q = buffers.uniform_decode_query_len
-        if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int):
-            raise TypeError(f"num_draft_tokens: expected an int, got {num_draft_tokens!r}")
-        if num_draft_tokens < 1:
-            raise ValueError(f"num_draft_tokens: must be >= 1, got {num_draft_tokens}")
+        num_draft_tokens = check_int("num_draft_tokens", num_draft_tokens)
         if q != 1 + num_draft_tokens:
             raise ValueError(f"buffers.uniform_decode_query_len must be 1 + num_draft_tokens = "
                              f"{1 + num_draft_tokens}, got {q}")

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable
 import numpy as np
 import torch
 
+from zos._checks import check_int
 from zos.buffers import DecodeBuffers
 from zos.device_backend import DeviceMetadataBackend
 from zos.host_backend import HostMetadataBackend
@@ -29,7 +30,6 @@ from zos.serving.types import (
     Request,
     RunResult,
     StepRecord,
-    check_num_draft_tokens,
     make_buckets,
 )
 from zos.spec import SpecDecoder
@@ -71,8 +71,7 @@ class Engine(SpecDecodeMixin):
                  overlap: bool = False) -> None:
         c, cfg, bs = model.config, config, config.block_size
         self.model, self.config, self.device = model, config, torch.device(device)
-        k = cfg.num_draft_tokens
-        check_num_draft_tokens(k)
+        k = check_int("num_draft_tokens", cfg.num_draft_tokens, 0)
         # Draft rows write up to K positions past the last token a request can hold (2K when
         # a step is staged before the previous step's accepted counts are known).
         reach = k * (2 if overlap else 1)

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from zos._checks import check_int
 from zos.backend import MetadataBackend
 from zos.buffers import StepMetadata
 from zos.graphs import EVICTED, NOT_CAPTURED, CudaGraphCapturer, GraphCache, warm_up
@@ -40,11 +41,7 @@ def check_graph_options(graph_capture: str, graph_memory_budget: int | None) -> 
         raise ValueError(f"graph_capture: expected 'eager' or 'lazy', got {graph_capture!r}")
     if graph_memory_budget is None:
         return
-    if isinstance(graph_memory_budget, bool) or not isinstance(graph_memory_budget, int):
-        raise TypeError(f"graph_memory_budget: expected an int (bytes) or None, got "
-                        f"{graph_memory_budget!r}")
-    if graph_memory_budget < 0:
-        raise ValueError(f"graph_memory_budget: must be >= 0, got {graph_memory_budget}")
+    check_int("graph_memory_budget", graph_memory_budget, 0)
     if graph_capture != "lazy":
         raise ValueError(f"graph_memory_budget: only with graph_capture='lazy', got "
                          f"{graph_memory_budget} with {graph_capture!r}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from zos._checks import check_int
 from zos.buckets import POLICIES, BucketTable
 
 
@@ -91,15 +92,6 @@ class RunResult:
     totals: dict[str, float]
 
 
-def check_num_draft_tokens(k) -> None:
-    """TypeError unless ``k`` (draft tokens per request and step) is an int (not a bool),
-    ValueError if it is below 0 (0: plain decode)."""
-    if isinstance(k, bool) or not isinstance(k, int):
-        raise TypeError(f"num_draft_tokens: expected an int, got {k!r}")
-    if k < 0:
-        raise ValueError(f"num_draft_tokens: must be >= 0, got {k}")
-
-
 def make_buckets(cfg: EngineConfig,
                  num_draft_tokens: int | None = None) -> BucketTable | None:
     """The decode bucket table of ``cfg`` (token rows, q = 1 + k per request, k =
@@ -117,7 +109,7 @@ def make_buckets(cfg: EngineConfig,
     TypeError/ValueError for a num_draft_tokens that is not an int >= 0."""
     if num_draft_tokens is None:
         num_draft_tokens = cfg.num_draft_tokens
-    check_num_draft_tokens(num_draft_tokens)
+    num_draft_tokens = check_int("num_draft_tokens", num_draft_tokens, 0)
     q = 1 + num_draft_tokens
     if cfg.buckets is not None or cfg.bucket_policy is None:
         b = cfg.buckets
