@@ -1,28 +1,33 @@
-"""transformers' continuous batching with and without zos (zos/integrations/transformers.py).
+"""transformers' continuous batching at its best against zos inside it.
 
-SmolLM2-135M's shape with random weights in bfloat16 on one GPU, transformers 5.17.0,
+SmolLM2-135M's shape with random weights (bf16 by default) on one GPU, transformers 5.17.0,
 ``generate_batch`` of N requests (default 16, 64, 256; prompts of ``--prompt-len`` +-25% random
-tokens, ``--new-tokens`` greedy tokens each, no eos), synchronous batching, no transformers CUDA
-graphs (``use_cuda_graph=False``: zos replaces the metadata of those steps, not the model's
-graphs). For each N, in one process: a warm-up run per mode, then a timed run per mode on the
-same persistent manager:
+tokens, ``--new-tokens`` greedy tokens each, no eos) on a persistent manager: per N and mode a
+warm-up run (graph captures, Triton compiles), then ``--repeats`` timed runs, modes interleaved.
+Modes (``--modes``):
 
-* per decode-only step, the host time of ``prepare_batch_tensors`` (``time.perf_counter`` around
-  it): transformers' own (its Python loop, ``torch.tensor`` uploads, the sdpa mask build) against
-  zos's (a ``DecodeStep`` from the request states, C++ pack, one H2D copy, prep kernels replayed
-  from a CUDA graph per bucket of ``--bucket-policy``); median and p90 over the decode steps
-  that were not profiled;
-* H2D bytes and copies of one decode step's preparation, from ``torch.profiler``
-  (``zos.serving.profiling.profile_device``) over ``--profile-steps`` decode steps in the middle
-  of the run (medians), and for zos the staged record's bytes of every decode step (median and
-  max: the first decode step after a prefill stages every row as new);
-* tokens/s: generated tokens / wall time of the timed ``generate_batch`` (prefill included);
-* whether both modes generated the same tokens (in bf16 the two decode attentions round
-  differently, so a near-tie may flip a token: the number of identical requests and where the
-  others first differ are reported; tests/test_hf.py checks exact equality in float32).
+* ``tf_best``: transformers with ``use_cuda_graph=True`` and ``use_async_batching=True`` (the
+  mode a user who wants speed picks; its own ``paged|sdpa`` attention, no flash-attn here);
+* ``tf_eager``: transformers with graphs and async off (its default for sdpa);
+* ``zos``: ``enable_zos`` with no options (its fastest mode: transformers' graphs and async on,
+  zos's decode steps one graph replay per vLLM bucket);
+* ``zos_sync``: zos with graphs on, async off.
+
+Per mode: tokens/s (generated tokens / wall time of the run, prefill included; the best and
+the median of the repeats); per decode-only loop iteration (medians): wall time (TPOT), the host
+time of transformers' three phases (``prepare_next_batch``, ``_generation_step``,
+``update_batch``; under async ``update_batch`` includes its wait for the step in flight) and of
+``prepare_batch_tensors`` alone (the metadata); H2D bytes / copies and GPU busy time of a whole
+decode iteration from ``torch.profiler`` (``--profile-steps`` iterations in the middle of the
+first timed run); the first decode iteration after a prefill (zos stages every row as new);
+the wall time ``generate_batch`` spends outside its batches (manager start and stop, the same
+for every mode).
+Token agreement of each mode with ``tf_best`` (bf16: near-tied random logits may flip; the
+float32 equality is tested in tests/test_hf.py).
 
 Usage: python bench/bench_hf.py [--requests 16,64,256] [--out bench/results]
-       (writes hf_<gpu>_<date>.json). CUDA and transformers 5.17.0 required.
+       (writes hf_<gpu>_<date>.json). CUDA and transformers 5.17.0 required (``--smoke``: a tiny
+       model on the CPU, to check the script; graphs and async are then off).
 """
 from __future__ import annotations
 
@@ -38,8 +43,16 @@ from pathlib import Path
 
 import torch
 
-from zos.integrations.transformers import ZosOptions, disable_zos, enable_zos, zos_ios_class
+from zos.integrations.hf_ios import zos_ios_classes
+from zos.integrations.transformers import disable_zos, enable_zos
 from zos.serving.profiling import profile_device
+
+MODES = {  # name: (zos, use_cuda_graph, use_async_batching); None: zos's choice
+    "tf_best": (False, True, True),
+    "tf_eager": (False, False, False),
+    "zos": (True, None, None),
+    "zos_sync": (True, True, False),
+}
 
 
 def smollm2_shape_model(smoke: bool, dtype: torch.dtype = torch.bfloat16):
@@ -66,113 +79,184 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-class StepRecorder:
-    """Wraps ``cls.prepare_batch_tensors`` (restored by ``close``): host time of every decode-only
-    step, and device activity of a few of them under the profiler."""
+def _med(xs):
+    return statistics.median(xs) if xs else None
 
-    def __init__(self, cls, profile_from: int, profile_steps: int, zos: bool):
-        self.cls, self.original = cls, cls.prepare_batch_tensors
-        self.host_s, self.profiled, self.profile_errors = [], [], []
-        self.record_bytes = []
-        self.decode_steps = 0
-        recorder = self
 
-        def wrapped(io, *args, **kwargs):
-            requests = kwargs["requests_in_batch"] if "requests_in_batch" in kwargs else args[0]
-            decode = all(fs.query_length == 1 and fs.has_new_token for fs in requests)
-            k = recorder.decode_steps
-            profile = decode and profile_from <= k < profile_from + profile_steps
-            if profile:
-                _sync()
-                ran = []
-                try:
-                    act = profile_device(
-                        lambda: ran.append(recorder.original(io, *args, **kwargs)))
-                    recorder.profiled.append(act)
-                except RuntimeError as e:  # the profiler failed: the step itself must still run
-                    recorder.profile_errors.append(repr(e))
-                    if not ran:
-                        recorder.original(io, *args, **kwargs)
-            else:
+class LoopRecorder:
+    """Wraps transformers' batch processor phases and the IOs' ``prepare_batch_tensors`` (all
+    restored by ``close``): per loop iteration, the host time of each phase and whether the
+    batch was decode-only; ``profile`` iterations run under ``torch.profiler``."""
+
+    PHASES = ("prepare_next_batch", "_generation_step", "update_batch")
+
+    def __init__(self, profile_from: int, profile_steps: int):
+        from transformers.generation.continuous_batching import continuous_api as api
+        from transformers.generation.continuous_batching import input_outputs as tio
+        self.restore = []
+        self.iters = []  # dicts: phase -> seconds, "decode", "metadata", "wall", "zos_bytes"
+        self.profiled = []
+        self.profile_errors = []
+        self.loop_span = [None, None]  # perf_counter at the first batch's start, last's end
+        rec = self
+        cur = {}
+
+        def wrap(owner, name, fn):
+            self.restore.append((owner, name, fn))
+            setattr(owner, name, fn)
+
+        for phase in self.PHASES:
+            original = getattr(api.ContinuousBatchProcessor, phase)
+
+            def timed(bp, *a, _orig=original, _phase=phase, **k):
                 t0 = time.perf_counter()
-                recorder.original(io, *args, **kwargs)
-                dt_s = time.perf_counter() - t0
-            if zos:  # decode-only batches that zos did not take (none expected) are not counted
-                decode = decode and io._zos_md is not None
-            if decode:
-                recorder.decode_steps += 1
-                if zos:  # the staged record, exactly (the profiler's H2D bytes include it)
-                    recorder.record_bytes.append(io.zos_backend.last_upload_bytes)
-                if not profile:
-                    recorder.host_s.append(dt_s)
+                try:
+                    return _orig(bp, *a, **k)
+                finally:
+                    cur[_phase] = time.perf_counter() - t0
+            wrap(api.ContinuousBatchProcessor, phase, timed)
 
-        cls.prepare_batch_tensors = wrapped
+        body = api.ContinuousBatchingManager._generation_loop_body
+
+        def loop_body(manager, bp, bootstrapping):
+            cur.clear()
+            k = len(rec.iters)
+            t0 = time.perf_counter()
+            if profile_from <= k < profile_from + profile_steps:
+                out = []
+                try:
+                    rec.profiled.append(profile_device(
+                        lambda: out.append(body(manager, bp, bootstrapping))))
+                except RuntimeError as e:  # the iteration must still run
+                    rec.profile_errors.append(repr(e))
+                    if not out:
+                        out.append(body(manager, bp, bootstrapping))
+                result = out[0]
+            else:
+                result = body(manager, bp, bootstrapping)
+            if "_generation_step" in cur:  # an iteration that ran a batch
+                end = time.perf_counter()
+                rec.iters.append(dict(cur, wall=end - t0,
+                                      profiled=profile_from <= k < profile_from + profile_steps))
+                rec.loop_span = [rec.loop_span[0] or t0, end]
+            return result
+        wrap(api.ContinuousBatchingManager, "_generation_loop_body", loop_body)
+
+        classes = (tio.ContinuousBatchingIOs, tio.ContinuousBatchingAsyncIOs) + zos_ios_classes()
+        for cls in classes:
+            original = cls.__dict__["prepare_batch_tensors"]
+
+            def prep(io, requests_in_batch, *a, _orig=original, **k):
+                t0 = time.perf_counter()
+                _orig(io, requests_in_batch, *a, **k)
+                cur["metadata"] = time.perf_counter() - t0
+                cur["decode"] = all(fs.query_length == 1 and fs.has_new_token
+                                    for fs in requests_in_batch)
+                zos = getattr(io, "zos", None)
+                md = getattr(io, "zos_md", None)
+                if isinstance(md, list):
+                    md = md[io.current_pair]
+                if zos is not None and md is not None:
+                    cur["zos_bytes"] = zos.backend.last_upload_bytes
+            wrap(cls, "prepare_batch_tensors", prep)
 
     def close(self):
-        self.cls.prepare_batch_tensors = self.original
+        for owner, name, fn in reversed(self.restore):
+            setattr(owner, name, fn)
 
     def summary(self) -> dict:
-        us = sorted(1e6 * s for s in self.host_s)
-        p90 = us[int(0.9 * (len(us) - 1))] if us else None
-        med = (lambda xs: statistics.median(xs) if xs else None)
-        return dict(decode_steps=self.decode_steps,
-                    metadata_host_us_median=med(us), metadata_host_us_p90=p90,
-                    h2d_bytes_per_decode_step=med([a.h2d_bytes for a in self.profiled]),
-                    h2d_copies_per_decode_step=med([a.h2d_copies for a in self.profiled]),
-                    profiled_steps=len(self.profiled), profile_errors=self.profile_errors,
-                    zos_record_bytes_median=med(self.record_bytes),
-                    zos_record_bytes_max=max(self.record_bytes, default=None))
+        dec = [it for it in self.iters if it.get("decode") and not it["profiled"]]
+        after_prefill = [it for prev, it in zip(self.iters, self.iters[1:])
+                         if it.get("decode") and not prev.get("decode")]
+        us = (lambda key, its: _med([1e6 * it[key] for it in its if key in it]))
+        return dict(
+            decode_iterations=len(dec), iterations=len(self.iters),
+            batches_s=self.loop_span[1] - self.loop_span[0] if self.iters else None,
+            tpot_us=us("wall", dec),
+            prepare_next_batch_us=us("prepare_next_batch", dec),
+            generation_step_us=us("_generation_step", dec),
+            update_batch_us=us("update_batch", dec),
+            metadata_host_us=us("metadata", dec),
+            first_decode_after_prefill_us=us("wall", after_prefill),
+            zos_record_bytes_median=_med([it["zos_bytes"] for it in dec if "zos_bytes" in it]),
+            zos_record_bytes_max=max((it["zos_bytes"] for it in self.iters
+                                      if "zos_bytes" in it), default=None),
+            h2d_bytes_per_iteration=_med([a.h2d_bytes for a in self.profiled]),
+            h2d_copies_per_iteration=_med([a.h2d_copies for a in self.profiled]),
+            gpu_busy_us_per_iteration=_med([a.busy_us for a in self.profiled]),
+            profiled_iterations=len(self.profiled), profile_errors=self.profile_errors)
 
 
-def run(model, inputs, args, n: int, zos: bool) -> tuple[dict, list]:
-    from transformers import ContinuousBatchingConfig, GenerationConfig
-    from transformers.generation.continuous_batching.input_outputs import ContinuousBatchingIOs
+def config(args, n, inputs, mode):
+    from transformers import ContinuousBatchingConfig
+    _, graphs, asynchronous = MODES[mode]
+    if args.smoke:
+        graphs = asynchronous = False
     bs = args.block_size
     max_len = max(len(p) for p in inputs) + args.new_tokens
-    cb = ContinuousBatchingConfig(block_size=bs, num_blocks=n * (-(-max_len // bs) + 1),
-                                  max_batch_tokens=args.max_batch_tokens,
-                                  max_requests_per_batch=n, use_cuda_graph=False,
-                                  use_async_batching=False)
+    return ContinuousBatchingConfig(block_size=bs, num_blocks=n * (-(-max_len // bs) + 1),
+                                    max_batch_tokens=args.max_batch_tokens,
+                                    max_requests_per_batch=n, use_cuda_graph=graphs,
+                                    use_async_batching=asynchronous)
+
+
+def run_mode(model, inputs, args, n: int, mode: str, repeats: int) -> tuple[dict, list]:
+    """Warm-up, then ``repeats`` timed runs of one mode on one persistent manager."""
+    from transformers import GenerationConfig
     gen = GenerationConfig(max_new_tokens=args.new_tokens, do_sample=False, eos_token_id=-1,
                            pad_token_id=0)
+    zos = MODES[mode][0]
     if zos:
-        enable_zos(model, ZosOptions(bucket_policy=args.bucket_policy))
+        enable_zos(model)
+    walls, tokens, summary = [], None, None
     try:
-        kw = dict(generation_config=gen, continuous_batching_config=cb, progress_bar=False,
-                  persistent_manager=True)
-        model.generate_batch(inputs, **kw)  # warm-up: Triton compile, prep graphs, allocator
-        recorder = StepRecorder(zos_ios_class() if zos else ContinuousBatchingIOs,
-                                args.new_tokens // 2, args.profile_steps, zos)
-        try:
-            _sync()
-            t0 = time.perf_counter()
-            out = model.generate_batch(inputs, **kw)
-            _sync()
-            wall = time.perf_counter() - t0
-        finally:
-            recorder.close()
+        kw = dict(generation_config=gen, continuous_batching_config=config(args, n, inputs, mode),
+                  progress_bar=False, persistent_manager=True)
+        model.generate_batch(inputs, **kw)  # warm-up: captures, compiles, allocator
+        for r in range(repeats):
+            rec = LoopRecorder(args.new_tokens // 2 if r == 0 else 10 ** 9, args.profile_steps)
+            try:
+                _sync()
+                t0 = time.perf_counter()
+                out = model.generate_batch(inputs, **kw)
+                _sync()
+                walls.append(time.perf_counter() - t0)
+            finally:
+                rec.close()
+            if r == 0:
+                summary = rec.summary()
+                order = sorted(out, key=lambda k: int(k.split("_")[-1]))
+                tokens = [out[k].generated_tokens for k in order]
     finally:
         model.destroy_cached_continuous_batching_manager()
         disable_zos(model)
-    order = sorted(out, key=lambda k: int(k.split("_")[-1]))
-    tokens = [out[k].generated_tokens for k in order]
     if len(tokens) != len(inputs) or any(len(t) != args.new_tokens for t in tokens):
-        raise RuntimeError(f"{'zos' if zos else 'transformers'} run at N={n} did not finish "
-                           f"every request (see the log above)")
+        raise RuntimeError(f"{mode} at N={n} did not finish every request (see the log above)")
     total = sum(len(t) for t in tokens)
-    res = dict(recorder.summary(), wall_s=wall, generated_tokens=total, tokens_per_s=total / wall)
-    return res, tokens
+    # what generate_batch spends outside its batches: the manager's start and stop (thread,
+    # reset, gc.collect and empty_cache in stop), request submission and output collection
+    outside = walls[0] - summary["batches_s"] if summary["batches_s"] is not None else None
+    return dict(summary, wall_s=walls, outside_batches_s=outside, generated_tokens=total,
+                tokens_per_s_best=total / min(walls),
+                tokens_per_s_median=total / statistics.median(walls)), tokens
+
+
+def _line(mode: str, r: dict) -> str:
+    us = (lambda k: f"{r[k]:.0f}" if r[k] is not None else "-")
+    return (f"{mode} {r['tokens_per_s_best']:.0f} tok/s, TPOT {us('tpot_us')} us (prep "
+            f"{us('metadata_host_us')}, step {us('generation_step_us')}, update "
+            f"{us('update_batch_us')}), H2D {r['h2d_bytes_per_iteration']} B")
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--requests", default="16,64,256", help="comma-separated N")
+    ap.add_argument("--modes", default="tf_best,tf_eager,zos,zos_sync")
+    ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--block-size", type=int, default=32)
     ap.add_argument("--max-batch-tokens", type=int, default=4096)
-    ap.add_argument("--bucket-policy", default="vllm",
-                    help="zos's bucket policy (prep graphs per bucket); 'none' for eager prep")
     ap.add_argument("--profile-steps", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="bench/results")
@@ -180,8 +264,12 @@ def main(argv=None) -> int:
     ap.add_argument("--smoke", action="store_true",
                     help="check the script on a CPU: tiny float32 model, no profiling")
     args = ap.parse_args(argv)
-    if args.bucket_policy == "none":
-        args.bucket_policy = None
+    modes = args.modes.split(",")
+    for m in modes:
+        if m not in MODES:
+            ap.error(f"--modes: unknown mode {m!r} (known: {', '.join(MODES)})")
+    if args.repeats < 1:
+        ap.error(f"--repeats must be >= 1, got {args.repeats}")
     if args.smoke:
         args.profile_steps = 0
     elif not torch.cuda.is_available():
@@ -196,25 +284,21 @@ def main(argv=None) -> int:
         lens = torch.randint(lo, hi + 1, (n,), generator=g).tolist()
         inputs = [torch.randint(1, model.config.vocab_size, (k,), generator=g).tolist()
                   for k in lens]
-        base, base_tokens = run(model, inputs, args, n, zos=False)
-        ours, our_tokens = run(model, inputs, args, n, zos=True)
-        ratio = (base["metadata_host_us_median"] / ours["metadata_host_us_median"]
-                 if base["metadata_host_us_median"] and ours["metadata_host_us_median"] else None)
-        # bf16: the two decode attentions round differently, so near-tied logits may flip
-        # a token (and the rest of that request); report where each request first differs.
-        first_diff = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None)
-                      for x, y in zip(base_tokens, our_tokens)]
-        row = dict(requests=n, transformers=base, zos=ours, metadata_host_ratio=ratio,
-                   tokens_per_s_ratio=ours["tokens_per_s"] / base["tokens_per_s"],
-                   tokens_equal=base_tokens == our_tokens,
-                   requests_identical=sum(d is None for d in first_diff),
-                   first_difference_per_request=first_diff)
+        row, toks = dict(requests=n), {}
+        for mode in modes:
+            row[mode], toks[mode] = run_mode(model, inputs, args, n, mode, args.repeats)
+        ref = modes[0]
+        row["agreement_with"] = ref
+        row["requests_identical"] = {m: sum(a == b for a, b in zip(toks[ref], toks[m]))
+                                     for m in modes}
+        if "zos" in row and "tf_best" in row:
+            row["zos_over_tf_best_tokens_per_s"] = (row["zos"]["tokens_per_s_best"]
+                                                   / row["tf_best"]["tokens_per_s_best"])
+            a, b = row["tf_best"]["metadata_host_us"], row["zos"]["metadata_host_us"]
+            row["metadata_host_ratio_tf_best_over_zos"] = a / b if a and b else None
         results.append(row)
-        print(f"N={n}: metadata host us/step transformers {base['metadata_host_us_median']:.0f}"
-              f" zos {ours['metadata_host_us_median']:.1f} ({ratio:.1f}x); H2D B/step "
-              f"{base['h2d_bytes_per_decode_step']} / {ours['h2d_bytes_per_decode_step']}; "
-              f"tokens/s {base['tokens_per_s']:.0f} / {ours['tokens_per_s']:.0f}; "
-              f"identical requests {row['requests_identical']}/{n}", flush=True)
+        print(f"N={n}: " + "; ".join(_line(m, row[m]) for m in modes)
+              + f"; identical {row['requests_identical']}", flush=True)
     name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu-smoke"
     gpu = name.replace(" ", "_")
     doc = dict(gpu=name, date=dt.date.today().isoformat(),

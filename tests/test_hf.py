@@ -21,7 +21,6 @@ if transformers.__version__ != "5.17.0":
                 f"{transformers.__version__}", allow_module_level=True)
 
 from transformers import (  # noqa: E402
-    CompileConfig,
     ContinuousBatchingConfig,
     GenerationConfig,
     LlamaConfig,
@@ -29,11 +28,11 @@ from transformers import (  # noqa: E402
 )
 from transformers.generation.continuous_batching import offloading_manager  # noqa: E402
 
+from zos.integrations.hf_rows import ZosDecodeRows  # noqa: E402
 from zos.integrations.transformers import (  # noqa: E402
     ZosOptions,
     disable_zos,
     enable_zos,
-    zos_ios_class,
 )
 
 EOS = -1
@@ -204,9 +203,6 @@ def test_separate_kv_equals_stacked_cache(dtype, rows, bs, heads, kv_heads):
 
 def test_errors(monkeypatch):
     model = tiny_llama()
-    model.set_attn_implementation("eager")
-    with pytest.raises(ValueError, match="attn_implementation .* got 'eager'"):
-        enable_zos(model)
     model.set_attn_implementation("sdpa")
     with pytest.raises(TypeError, match="options must be a ZosOptions"):
         enable_zos(model, {"timings": []})
@@ -215,15 +211,8 @@ def test_errors(monkeypatch):
     with pytest.raises(RuntimeError, match="supports transformers==5.17.0 only.*found 5.18.0"):
         enable_zos(model)
     monkeypatch.undo()
-    enable_zos(model)
-    try:
-        with pytest.raises(ValueError, match="use_cuda_graph=False"):
-            model.generate_batch([[1, 2]], generation_config=gen_config(2),
-                                 continuous_batching_config=cb_config(
-                                     varlen_compile_config=CompileConfig()),
-                                 progress_bar=False)
-    finally:
-        disable_zos(model)
+    with pytest.raises(ValueError, match="bucket_policy must be None or one of"):
+        enable_zos(model, ZosOptions(bucket_policy="pow2"))
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA only: SmolLM2-shape weights on the GPU")
@@ -268,18 +257,22 @@ def test_readme_example_runs_as_printed():
 def test_zos_metadata_equals_transformers_state(monkeypatch):
     """Every zos step's metadata, exactly, against transformers' own state of each request at
     that step (position = tokens in its cache, blocks = its block list in the cache manager) and
-    the transformers padding profile for the padded rows (bucket policy vllm: 5 requests -> 8)."""
-    ios_cls = zos_ios_class()
-    original = ios_cls._zos_prepare
+    the transformers padding profile for the padded rows (bucket policy vllm: 5 requests -> 8).
+    Checked on the device after the step's device work (``in_graph``), before the model reads
+    it."""
+    original = ZosDecodeRows.in_graph
     checked = []
 
-    def checking(io, requests, logits_processors, step, rows):
+    def checking(rows, md, prev_output_ids):
+        original(rows, md, prev_output_ids)
+        io = rows
         bs = io.cache.block_size
         tables = io.cache.group_cache_managers[0].block_table
-        want = [(fs.state.position_offset, list(tables[fs.state.request_id])) for fs in requests]
-        original(io, requests, logits_processors, step, rows)
-        md, n = io._zos_md, len(requests)
-        prof, w = io.zos_buffers.padding, io.zos_buffers.max_num_blocks_per_req
+        # transformers advanced each request's position when the step was prepared
+        want = [(fs.state.position_offset - 1, list(tables[fs.state.request_id]))
+                for fs in rows.requests]
+        n = len(want)
+        prof, w = io.buffers.padding, io.buffers.max_num_blocks_per_req
         pad = md.padded_size - n
         assert md.positions.tolist() == [p for p, _ in want] + [0] * pad
         assert md.seq_lens.tolist() == [p + 1 for p, _ in want] + [prof.seq_len_fill] * pad
@@ -291,7 +284,14 @@ def test_zos_metadata_equals_transformers_state(monkeypatch):
         assert prof.pad_slot_id == io.cache.write_trash_index
         checked.append(n)
 
-    monkeypatch.setattr(ios_cls, "_zos_prepare", checking)
+    original_build = ZosDecodeRows.build_step
+
+    def remembering(rows, requests, prev_positions):
+        rows.requests = list(requests)
+        return original_build(rows, requests, prev_positions)
+
+    monkeypatch.setattr(ZosDecodeRows, "in_graph", checking)
+    monkeypatch.setattr(ZosDecodeRows, "build_step", remembering)
     model = tiny_llama(4)
     inputs = prompts(4, (2, 7, 4, 1, 5), model.config.vocab_size)
     ours, _ = run_generate_batch(model, inputs, 6, zos=True, bucket_policy="vllm")
@@ -319,3 +319,119 @@ def test_cpu_model_with_triton_imported_first_is_refused():
     assert out.returncode == 0, out.stderr[-2000:]
     assert "refused: a model on the CPU needs Triton's interpreter" in out.stdout
     assert "import zos before transformers" in out.stdout
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_graphs_requested_match_transformers(graphs):
+    """transformers' CUDA graphs requested or not (on a CPU transformers turns them off and the
+    graph path's Python runs eagerly; on CUDA each zos bucket's whole step is one replay):
+    zos's greedy tokens equal transformers' own with the same settings and generate()."""
+    model = tiny_llama(7)
+    inputs = prompts(7, (3, 9, 1, 6, 12, 4), model.config.vocab_size)
+    want = [reference(model, p, 7) for p in inputs]
+    kw = dict(use_cuda_graph=graphs)
+    theirs, _ = run_generate_batch(model, inputs, 7, zos=False, **kw)
+    ours, timings = run_generate_batch(model, inputs, 7, zos=True, bucket_policy="vllm", **kw)
+    assert theirs == want and ours == want
+    assert [p for p, _ in timings].count("zos") >= 5
+
+
+def test_fastest_mode_fills_only_what_the_user_left_open():
+    """On CUDA, enable_zos's manager turns transformers' graphs and async on where the config
+    says None; an explicit choice, a CPU model or compile configs keep the config as given, and
+    the caller's config object is never changed."""
+    from transformers import CompileConfig
+
+    from zos.integrations.transformers import _fastest_mode
+
+    class Model:
+        def __init__(self, kind):
+            self.device = torch.device(kind)
+
+    open_cfg = ContinuousBatchingConfig()
+    got = _fastest_mode(open_cfg, Model("cuda"))
+    assert got.use_cuda_graph is True and got.use_async_batching is True
+    assert open_cfg.use_cuda_graph is None and open_cfg.use_async_batching is None
+    mixed = ContinuousBatchingConfig(use_async_batching=False)
+    got = _fastest_mode(mixed, Model("cuda"))
+    assert got.use_cuda_graph is True and got.use_async_batching is False
+    assert _fastest_mode(open_cfg, Model("cpu")) is open_cfg
+    compiled = ContinuousBatchingConfig(decode_compile_config=CompileConfig())
+    assert _fastest_mode(compiled, Model("cuda")) is compiled
+
+
+def test_unsupported_attention_keeps_transformers_path():
+    """paged|eager (and any attention zos does not serve) is not refused: enable_zos warns in
+    one line, leaves the model as it is, and generate_batch gives transformers' tokens."""
+    model = tiny_llama(8)
+    model.set_attn_implementation("eager")
+    inputs = prompts(8, (4, 7), model.config.vocab_size)
+    want = [reference(model, p, 5) for p in inputs]
+    with pytest.warns(RuntimeWarning, match=r"zos: attn_implementation 'eager' .*own"):
+        assert enable_zos(model) is False
+    assert model.config._attn_implementation == "eager" and not hasattr(model, "_zos_options")
+    out = model.generate_batch(inputs, generation_config=gen_config(5),
+                               continuous_batching_config=cb_config(), progress_bar=False)
+    assert [out[k].generated_tokens for k in sorted(out)] == want
+
+
+def test_sliding_window_model_keeps_transformers_path():
+    """A model with sliding-window layers (Mistral's window here; Gemma 3's mixed layout is the
+    same kind) keeps transformers' own continuous batching, with a one-line warning."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(9)
+    cfg = MistralConfig(vocab_size=97, hidden_size=32, intermediate_size=64,
+                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=8, max_position_embeddings=128, sliding_window=6)
+    model = MistralForCausalLM(cfg).to(DEVICE).eval()
+    model.set_attn_implementation("sdpa")
+    inputs = prompts(9, (3, 10), cfg.vocab_size)
+    theirs, _ = run_generate_batch(model, inputs, 6, zos=False)
+    with pytest.warns(RuntimeWarning, match="sliding-window layers"):
+        ours, timings = run_generate_batch(model, inputs, 6, zos=True)
+    assert ours == theirs and timings == []
+
+
+def test_compile_configs_keep_transformers_path():
+    """With torch.compile configs zos serves no step of the run (one-line warning); the batch
+    processor still gets zos's IOs, which allocate the mask transformers' sdpa path needs."""
+    from transformers import CompileConfig
+
+    model = tiny_llama(10)
+    enable_zos(model)
+    try:
+        manager = model.init_continuous_batching(
+            generation_config=gen_config(2),
+            continuous_batching_config=cb_config(varlen_compile_config=CompileConfig()))
+        with pytest.warns(RuntimeWarning, match="torch.compile configs are not supported"):
+            bp = manager._create_batch_processor()
+        assert bp.inputs_and_outputs.zos is None
+        assert bp.inputs_and_outputs.attention_mask is not None
+    finally:
+        disable_zos(model)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="transformers' async batching needs CUDA")
+@pytest.mark.parametrize("graphs,asynchronous", [(True, True), (False, True), (True, False),
+                                                 (None, None)])
+def test_cuda_async_and_graphs_match_transformers(graphs, asynchronous):
+    """On the GPU, float32: zos with transformers' graphs and/or async batching (None: zos's
+    default, both on) gives exactly transformers' tokens in the same mode, through rows joining
+    (prefill steps between zos steps: tokens in flight reach rows new to zos on the device),
+    rows leaving and padded buckets."""
+    model = tiny_llama(11)
+    inputs = prompts(11, (3, 17, 1, 9, 30, 5, 2, 12, 7, 21), model.config.vocab_size)
+    kw = dict(use_cuda_graph=graphs, use_async_batching=asynchronous, max_requests_per_batch=4,
+              max_batch_tokens=32, num_blocks=96)
+    if graphs is None:
+        kw = dict(max_requests_per_batch=4, max_batch_tokens=32, num_blocks=96)
+        kw.update(use_cuda_graph=True, use_async_batching=True)  # transformers' side
+    want = [reference(model, p, 9) for p in inputs]
+    theirs, _ = run_generate_batch(model, inputs, 9, zos=False, **kw)
+    if graphs is None:
+        kw.update(use_cuda_graph=None, use_async_batching=None)
+    ours, timings = run_generate_batch(model, inputs, 9, zos=True, bucket_policy="vllm", **kw)
+    assert theirs == want
+    assert ours == want
+    assert [p for p, _ in timings].count("zos") >= 5

@@ -1,0 +1,78 @@
+"""zos's rows inside transformers (zos/integrations/hf_rows.py) on fake request states: which
+requests are carried, what a new row stages, and where a token still in flight is taken from
+under asynchronous batching (transformers' output order, not its input positions)."""
+import zos._interpret  # noqa: F401  (before anything imports triton)
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from zos.integrations.hf_rows import TMP_TOKEN_ID, ZosDecodeRows
+from zos.integrations.transformers import ZosOptions
+
+BS = 4
+
+
+def fake_cache(tables):
+    return SimpleNamespace(num_groups=1, num_sliding_attention_groups=0, block_size=BS,
+                           num_blocks=32, num_pages=32 * BS,
+                           group_cache_managers=[SimpleNamespace(block_table=tables)])
+
+
+def request(rid, pos, token):
+    st = SimpleNamespace(request_id=rid, position_offset=pos, tokens_to_process=[token])
+    return SimpleNamespace(state=st, query_length=1, has_new_token=True)
+
+
+def rows_for(tables):
+    cfg = SimpleNamespace(vocab_size=100, max_position_embeddings=64)
+    return ZosDecodeRows(fake_cache(tables), cfg, 8, torch.device("cpu"), None,
+                         ZosOptions(bucket_policy=None), graphed=False, async_carry=True)
+
+
+def test_tokens_in_flight_come_from_the_output_order():
+    """After a prefill batch whose ``req_id_to_new_token_position`` maps a -> 7, b -> 2 (input
+    positions of their last prompt tokens), a's token is output 0 and b's output 1: the
+    carry map says so, and only rows with a token in flight are in it. a's host token is
+    stale (transformers' update of the batch before wrote it after the placeholder): it is
+    not used."""
+    tables = {"a": [3, 5], "b": [9], "c": [4]}
+    rows = rows_for(tables)
+    reqs = [request("b", 2, TMP_TOKEN_ID), request("c", 1, 42), request("a", 6, 77)]
+    built = rows.build_step(reqs, {"a": 7, "b": 2})
+    assert built.carry == [(0, 1), (2, 0)]
+    assert built.step.new_rows.tolist() == [0, 1, 2]
+    assert built.step.new_tokens.tolist() == [0, 42, 0]  # placeholders are valid ids
+    assert built.step.new_positions.tolist() == [2, 1, 6]
+    assert built.step.new_block_ids.tolist() == [9, 4, 3, 5]
+
+
+def test_in_flight_token_without_source_or_sync_falls_back():
+    """A token in flight that the previous batch did not sample, or any in-flight token in
+    synchronous batching, is not guessed: the step goes to transformers' path (None)."""
+    tables = {"a": [3]}
+    rows = rows_for(tables)
+    assert rows.build_step([request("a", 1, TMP_TOKEN_ID)], {"z": 0}) is None
+    assert rows.build_step([request("a", 1, TMP_TOKEN_ID)], None) is None
+
+
+@pytest.mark.parametrize("n", [1, 3, 7])
+def test_carried_rows_stage_no_token_and_appends_only_crossed_blocks(n):
+    """Step 2 carries every request of step 1 (same state, one position later): no new row;
+    the requests that crossed into a new block append exactly that block."""
+    tables = {f"r{i}": [10 + i] for i in range(n)}
+    rows = rows_for(tables)
+    reqs = [request(f"r{i}", 2 + i % 2, 5 + i) for i in range(n)]  # positions 2 or 3
+    first = rows.build_step(reqs, None)
+    rows.stage(first)
+    for fs in reqs:
+        fs.state.position_offset += 1
+        fs.state.tokens_to_process = [TMP_TOKEN_ID]
+        if fs.state.position_offset == BS:  # position 4 needs a second block
+            tables[fs.state.request_id].append(20 + int(fs.state.request_id[1:]))
+    second = rows.build_step(reqs, {f"r{i}": i for i in range(n)})
+    assert second.carry is None and second.step.new_rows.tolist() == []
+    crossed = [i for i in range(n) if i % 2 == 1]
+    assert second.step.append_rows.tolist() == crossed
+    assert second.step.append_block_ids.tolist() == [20 + i for i in crossed]

@@ -1,0 +1,239 @@
+"""transformers 5.17's IO objects with zos's decode steps: synchronous (:class:`ZosIOs`) and
+asynchronous (:class:`ZosAsyncIOs`) batching, with or without transformers' CUDA graphs.
+
+Both subclass transformers' own IO class and change four of its methods, for decode-only
+batches only (:class:`~zos.integrations.hf_rows.ZosDecodeRows` says which):
+
+* ``prepare_batch_tensors``: zos stages the step (record upload on the compute stream) and does
+  transformers' per-request bookkeeping (positions, placeholder tokens, output positions);
+* ``get_model_kwargs``: the model reads zos's buffers (``"paged|zos"`` attention);
+* ``carry_over_tokens``: transformers calls it first inside the function it runs or captures
+  (``ModelRunner._forward_process_and_sample``): zos's device work goes there, so with
+  transformers' graphs on, prep, model, logits processors and sampling are one replay;
+* the graph key: ``("zos", padded size)`` in transformers' graph store (``use_block_table``
+  reads True, so the decode graph setting applies).
+
+Prefill and mixed batches are transformers' own methods, unchanged. Classes are built on first
+use so that importing zos needs no transformers.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from zos.integrations.hf_rows import ZosDecodeRows, graph_key
+
+_CLASSES = None
+
+
+def _bookkeeping(io, requests, logits_processors) -> None:
+    """What transformers' ``prepare_batch_tensors`` records per request, for a zos step whose
+    row i is ``requests[i]`` and samples at logits index i (on the host IO ``io``)."""
+    io.num_request_in_batch = len(requests)
+    io.requests_in_batch = list(requests)
+    positions = io.req_id_to_new_token_position = {}
+    for i, fs in enumerate(requests):
+        st = fs.state
+        st.position_offset += 1
+        st.tokens_to_process = [-1]  # transformers' TMP_TOKEN_ID: sampled by this step
+        positions[st.request_id] = i
+    if logits_processors.tensors_required:
+        logits_processors.prepare_tensor_args(
+            requests_in_batch=requests, arg_storage=io._bulk_input_tensor[io.static_inputs:])
+
+
+def _allocate_mask(io) -> None:
+    """transformers allocates the 4-D mask of its sdpa path only for its own attention names;
+    ``"paged|zos"`` runs that path for prefill and mixed batches, so allocate it here."""
+    if io.attention_mask is not None:
+        return
+    n = io.cache.max_batch_tokens
+    shape = (1, 1, n, io.cache.num_blocks * io.cache.block_size + n)
+    pin = io.device.type == "cpu" and torch.cuda.is_available()
+    io.attention_mask = {t: torch.empty(shape, dtype=io.model_dtype, device=io.device,
+                                        pin_memory=pin) for t in io.cumulative_seqlens_k}
+    io._reset_static_tensors(full_reset=True)
+
+
+def _build_step(zos, requests, prev_positions):
+    """zos's step of this batch, or None: transformers' path runs it, and the next zos step's
+    rows are all new (``zos`` None: zos serves no step of this run)."""
+    if zos is None:
+        return None
+    built = zos.build_step(requests, prev_positions)
+    if built is None:
+        zos.forget()
+    return built
+
+
+def _timed(options, path: str, t0: float) -> None:
+    if options.timings is not None:
+        options.timings.append((path, time.perf_counter() - t0))
+
+
+def _build():
+    from transformers.generation.continuous_batching.input_outputs import (
+        ContinuousBatchingAsyncIOs,
+        ContinuousBatchingIOs,
+    )
+
+    class ZosIOs(ContinuousBatchingIOs):
+        """transformers' synchronous IOs with zos's decode steps (module docstring). Same
+        arguments as the base, plus ``options`` (``ZosOptions``) and ``serves`` (False: every
+        step is transformers' own, e.g. under torch.compile configs; the IOs still allocate
+        the mask that transformers' sdpa path needs under ``"paged|zos"``).
+
+        Raises:
+            ValueError: the cache has more than one layer group (sliding-window layers).
+        """
+
+        def __init__(self, *, options, serves: bool = True, **kw) -> None:
+            super().__init__(**kw)
+            _allocate_mask(self)
+            self.zos_options = options
+            self.zos = ZosDecodeRows(
+                self.cache, self.config, self.max_requests_per_batch, self.device,
+                self.compute_stream, options, async_carry=False,
+                graphed=kw["continuous_batching_config"].cuda_graph_booleans[1]) if serves else None
+            self.zos_md = None
+
+        def reset(self) -> None:
+            super().reset()
+            if self.zos is not None:
+                self.zos.forget()
+            self.zos_md = None
+
+        def prepare_batch_tensors(self, requests_in_batch, logits_processors,
+                                  use_decode_fast_path, num_q_tokens, max_kv_read,
+                                  use_padding) -> None:
+            """transformers' method; decode-only batches are staged by zos. Raises ValueError
+            for an empty batch (as transformers does) and the packer's ValueError for an
+            inconsistent step (nothing is then written)."""
+            t0 = time.perf_counter()
+            built = _build_step(self.zos, requests_in_batch, None)
+            if built is None:
+                self.zos_md = None
+                super().prepare_batch_tensors(requests_in_batch, logits_processors,
+                                              use_decode_fast_path, num_q_tokens, max_kv_read,
+                                              use_padding)
+                return _timed(self.zos_options, "transformers", t0)
+            self.zos_md = self.zos.stage(built)
+            _bookkeeping(self, requests_in_batch, logits_processors)
+            self.use_block_table = True  # transformers' runner: the decode graph setting
+            _timed(self.zos_options, "zos", t0)
+
+        def carry_over_tokens(self, input_ids, carry_over_ids, prev_output_ids) -> None:
+            if self.zos_md is not None:
+                self.zos.in_graph(self.zos_md, prev_output_ids)
+
+        def get_model_kwargs(self, use_padding: bool = False):
+            md = self.zos_md
+            if md is None:
+                return super().get_model_kwargs(use_padding=use_padding)
+            args = self._bulk_input_tensor[self.static_inputs:, : md.padded_size]
+            return self.zos.model_kwargs(md, self.cache, args)
+
+        def _get_graph_key(self):
+            return super()._get_graph_key() if self.zos_md is None else graph_key(self.zos_md)
+
+    class ZosAsyncIOs(ContinuousBatchingAsyncIOs):
+        """transformers' asynchronous IOs (two host/device IO pairs, H2D, compute and D2H
+        streams) with zos's decode steps. zos keeps one set of buffers for both pairs: every zos
+        upload and prep runs on the compute stream, in step order. A zos step transfers no
+        transformers input tensor: its record goes on the compute stream, and only the logits
+        processors' per-request arguments (when a processor needs them) and the rows of tokens
+        still in flight are copied. Same arguments as the base, plus ``options`` and
+        ``serves`` (as :class:`ZosIOs`).
+
+        Raises:
+            ValueError: the cache has more than one layer group (sliding-window layers).
+            RuntimeError: no CUDA (transformers' asynchronous batching needs it).
+        """
+
+        def __init__(self, *, options, serves: bool = True, **kw) -> None:
+            super().__init__(**kw)
+            for pair in self.io_pairs:
+                _allocate_mask(pair.host_io)
+                _allocate_mask(pair.device_io)
+            self.zos_options = options
+            self.cache = kw["cache"]
+            self.zos = ZosDecodeRows(
+                self.cache, kw["config"], self.io_pairs[0].host_io.max_requests_per_batch,
+                kw["device"], self.compute_stream, options, async_carry=True,
+                graphed=kw["continuous_batching_config"].cuda_graph_booleans[1]) if serves else None
+            self.zos_md = [None, None]  # per IO pair: its step's metadata if a zos step
+
+        def reset(self) -> None:
+            super().reset()
+            if self.zos is not None:
+                self.zos.forget()
+            self.zos_md = [None, None]
+
+        def prepare_batch_tensors(self, requests_in_batch, logits_processors,
+                                  use_decode_fast_path, num_q_tokens, max_kv_read,
+                                  use_padding) -> None:
+            """transformers' method; decode-only batches are staged by zos (its rows whose
+            token is still in flight take it on the device, as transformers' carry-over)."""
+            t0 = time.perf_counter()
+            cur = self.current_pair
+            pair = self.io_pairs[cur]
+            prev = self.io_pairs[1 - cur].host_io.req_id_to_new_token_position
+            built = _build_step(self.zos, requests_in_batch, prev)
+            if built is None:
+                self.zos_md[cur] = None
+                super().prepare_batch_tensors(requests_in_batch, logits_processors,
+                                              use_decode_fast_path, num_q_tokens, max_kv_read,
+                                              use_padding)
+                return _timed(self.zos_options, "transformers", t0)
+            self.zos_md[cur] = self.zos.stage(built)
+            host, dev = pair.host_io, pair.device_io
+            _bookkeeping(host, requests_in_batch, logits_processors)
+            if logits_processors.tensors_required:
+                with torch.cuda.stream(self.compute_stream):
+                    k = host.static_inputs
+                    dev._bulk_input_tensor[k:].copy_(host._bulk_input_tensor[k:],
+                                                     non_blocking=True)
+            _timed(self.zos_options, "zos", t0)
+
+        def get_model_kwargs(self, use_padding: bool = False):
+            md = self.zos_md[self.current_pair]
+            if md is None:
+                return super().get_model_kwargs(use_padding=use_padding)
+            dev = self.io_pairs[self.current_pair].device_io
+            args = dev._bulk_input_tensor[dev.static_inputs:, : md.padded_size]
+            return self.zos.model_kwargs(md, self.cache, args)
+
+        def carry_over_tokens(self, input_ids, carry_over_ids, prev_output_ids) -> None:
+            md = self.zos_md[self.current_pair]
+            if md is None:
+                return super().carry_over_tokens(input_ids, carry_over_ids, prev_output_ids)
+            self.zos.in_graph(md, prev_output_ids)
+
+        @property
+        def use_block_table(self) -> bool:
+            if self.zos_md[self.current_pair] is not None:
+                return True
+            return self.io_pairs[self.current_pair].host_io.use_block_table
+
+        def get_graph(self):
+            md = self.zos_md[self.current_pair]
+            if md is None:
+                return super().get_graph()
+            return self.io_pairs[self.current_pair].device_io.graphs.get_graph(graph_key(md))
+
+        def set_graph(self, graph) -> None:
+            md = self.zos_md[self.current_pair]
+            if md is None:
+                return super().set_graph(graph)
+            self.io_pairs[self.current_pair].device_io.graphs.set_graph(graph_key(md), graph)
+
+    return ZosIOs, ZosAsyncIOs
+
+
+def zos_ios_classes():
+    """``(ZosIOs, ZosAsyncIOs)``, built once on first use (needs transformers 5.17.0)."""
+    global _CLASSES
+    if _CLASSES is None:
+        _CLASSES = _build()
+    return _CLASSES

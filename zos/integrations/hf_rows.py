@@ -1,0 +1,239 @@
+"""zos's side of one transformers batch processor: the decode rows it prepares.
+
+:class:`ZosDecodeRows` is what the synchronous and the asynchronous IOs of
+:mod:`zos.integrations.hf_ios` share: zos's static buffers and backend, the request -> row
+state of the last zos step, and the three calls of a zos decode step inside transformers:
+
+* :meth:`ZosDecodeRows.build_step` (host, in ``prepare_batch_tensors``): the
+  :class:`~zos.step.DecodeStep` of a decode-only batch from what changed since the last zos
+  step, or None when the batch is not one zos serves (then transformers' own path runs);
+* :meth:`ZosDecodeRows.stage` (host): the packer validates and packs it, one H2D copy of the
+  record on the compute stream (nothing is written if the step is refused);
+* :meth:`ZosDecodeRows.in_graph` (device, inside the step's CUDA graph when transformers
+  captures one): the previous step's sampled tokens into ``buffers.sampled``, the prep
+  kernels, and the tokens still in flight for rows new to zos (asynchronous batching).
+
+transformers calls ``carry_over_tokens`` of its IO object first thing inside the function it
+captures (``ModelRunner._forward_process_and_sample``); the IOs route it to ``in_graph``, so one
+graph replay per bucket runs zos's prep, the model, the logits processors and the sampling.
+"""
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from zos.buckets import POLICIES
+from zos.buffers import DecodeBuffers, PaddingProfile, StepMetadata
+from zos.device_backend import DeviceMetadataBackend
+from zos.step import DecodeStep
+
+TMP_TOKEN_ID = -1  # transformers' placeholder for a token still being sampled (requests.py)
+
+
+@dataclass
+class BuiltStep:
+    """A decode-only batch as zos stages it (host only).
+
+    Attributes:
+        step: what changed since the last zos step.
+        rows: request id -> (state, position, zos id, blocks in use, last block id) of every
+            row, the reference of the next step's carry check.
+        carry: None, or (row, index of the request's token in the previous batch's output)
+            pairs of new rows whose token is still in flight (asynchronous batching only).
+    """
+
+    step: DecodeStep
+    rows: dict
+    carry: list | None
+
+
+class ZosDecodeRows:
+    """zos's buffers, backend and row state inside one transformers batch processor.
+
+    Args:
+        cache: transformers' ``PagedAttentionCache`` (one full-attention group).
+        config: the model's text config (``vocab_size``, ``max_position_embeddings``).
+        max_requests: rows held (transformers' ``max_requests_per_batch``).
+        device: the model's device.
+        stream: the compute stream (None on a CPU): the record's upload is enqueued on it.
+        options: the model's ``ZosOptions``.
+        graphed: whether transformers captures decode steps in CUDA graphs: zos's prep kernels
+            then run inside those graphs (``capture_prep`` off); otherwise, on CUDA with a
+            bucket policy, zos replays its own prep graph per bucket.
+        async_carry: asynchronous batching: rows new to zos may carry a token still in flight,
+            taken on the device from the previous batch's output.
+
+    Raises:
+        ValueError: the cache has more than one layer group (sliding-window layers).
+    """
+
+    def __init__(self, cache, config, max_requests: int, device: torch.device, stream,
+                 options, *, graphed: bool, async_carry: bool) -> None:
+        if cache.num_groups != 1 or cache.num_sliding_attention_groups:
+            raise ValueError(f"zos supports models whose layers all use full attention (one "
+                             f"cache group), got {cache.num_groups} groups")
+        bs = cache.block_size
+        w = options.max_num_blocks_per_req
+        if w is None:
+            max_pos = getattr(config, "max_position_embeddings", None) or cache.num_pages
+            w = min(-(-max_pos // bs), cache.num_blocks)
+        self.cache, self.options = cache, options
+        self.buffers = DecodeBuffers(max_requests, w, bs, device=device,
+                                     padding=PaddingProfile.transformers(cache.num_blocks, bs))
+        buckets = None
+        if options.bucket_policy is not None:
+            # Every policy's largest size counts requests at q = 1: its own maximum keyword,
+            # then max_requests itself a bucket (as the engine's make_buckets).
+            buckets = POLICIES[options.bucket_policy].build(max_requests).with_max(max_requests)
+        cuda = device.type == "cuda"
+        self.backend = DeviceMetadataBackend(
+            self.buffers, num_kv_blocks=cache.num_blocks, vocab_size=config.vocab_size,
+            buckets=buckets, capture_prep=cuda and buckets is not None and not graphed,
+            stream=stream)
+        self.logits_indices = torch.arange(max_requests, dtype=torch.int32, device=device)
+        self.carry = None
+        if async_carry:  # -1: the row's token came with the record
+            self.carry = torch.full((max_requests,), -1, dtype=torch.int32, device=device)
+            self._carry_host = [torch.full((max_requests,), -1, dtype=torch.int32,
+                                           pin_memory=cuda) for _ in range(2)]
+            self._carry_turn = 0
+        self.forget()
+
+    def forget(self) -> None:
+        """No row is carried into the next zos step (after a transformers step, or a reset):
+        its rows are all new."""
+        self.prev: dict = {}
+        self.prev_n = 0
+        self.next_id = 0
+        self.backend.packer.reset()
+
+    def build_step(self, requests, prev_positions: dict | None) -> BuiltStep | None:
+        """The step of a decode-only batch, or None (not decode-only, a request past the
+        block table's width, more requests than rows, or a token in flight that the previous
+        batch does not hold): transformers' path then runs that step.
+
+        A request is carried when it is the same request state one position later with the
+        same last block as in the last zos step; any other request is a new row (its token,
+        position and block list). One pass over the requests; the packer validates the whole
+        step in C++ before anything is written.
+
+        Args:
+            requests: transformers' ``FutureRequestState`` list, in batch order.
+            prev_positions: asynchronous batching: the previous batch's
+                ``req_id_to_new_token_position`` (the other IO pair's): its keys are the
+                requests that sampled, in the order of their tokens in the output (its values
+                are input positions, not output indices); None in synchronous batching (every
+                token is known on the host).
+        """
+        n = len(requests)
+        if n == 0 or n > self.buffers.max_num_reqs:
+            return None
+        bs = self.cache.block_size
+        max_pos = self.buffers.max_num_blocks_per_req * bs
+        tables = self.cache.group_cache_managers[0].block_table
+        prev_get = self.prev.get
+        ids, rows, carry = [], {}, []
+        new_rows, new_tokens, new_positions, indptr, flat = [], [], [], [0], []
+        app_rows, app_blocks = [], []
+        next_id = self.next_id
+        out_index = None
+        for i, fs in enumerate(requests):
+            st = fs.state
+            rid, pos = st.request_id, st.position_offset
+            blocks = tables.get(rid)
+            need = pos // bs + 1
+            if (fs.query_length != 1 or not fs.has_new_token or pos >= max_pos
+                    or blocks is None or len(blocks) < need):
+                return None
+            prev = prev_get(rid)
+            if (prev is not None and prev[0] is st and prev[1] == pos - 1
+                    and blocks[prev[3] - 1] == prev[4]):
+                zid = prev[2]
+                for c in range(prev[3], need):  # a block crossed since the last step
+                    app_rows.append(i)
+                    app_blocks.append(blocks[c])
+            else:
+                zid = next_id
+                next_id += 1
+                token = st.tokens_to_process[0]
+                if prev_positions is not None and rid in prev_positions:
+                    # Sampled by the batch in flight. transformers' update of the batch before
+                    # it may have overwritten the placeholder with that batch's (stale) token.
+                    if out_index is None:  # transformers samples in the order of the dict
+                        out_index = {r: k for k, r in enumerate(prev_positions)}
+                    carry.append((i, out_index[rid]))
+                    token = 0  # a valid id for the packer; the device overwrites it
+                elif token == TMP_TOKEN_ID:  # in flight, but from no batch we can read
+                    return None
+                new_rows.append(i)
+                new_tokens.append(token)
+                new_positions.append(pos)
+                flat.extend(blocks[:need])
+                indptr.append(len(flat))
+            ids.append(zid)
+            rows[rid] = (st, pos, zid, need, blocks[need - 1])
+        self.next_id = next_id
+        i32 = np.int32
+        step = DecodeStep(np.array(ids, np.int64), np.array(new_rows, i32),
+                          np.array(new_tokens, i32), np.array(new_positions, i32),
+                          np.array(indptr, i32), np.array(flat, i32),
+                          np.array(app_rows, i32), np.array(app_blocks, i32))
+        return BuiltStep(step, rows, carry or None)
+
+    def stage(self, built: BuiltStep) -> StepMetadata:
+        """Validate, pack and upload ``built.step`` on the backend's stream; returns the
+        step's metadata views (padded to its bucket). The device work is :meth:`in_graph`.
+
+        Raises:
+            ValueError, TypeError: the packer refused the step (nothing was written).
+        """
+        plan = self.backend.stage(built.step)
+        if built.carry is not None:
+            host = self._carry_host[self._carry_turn]
+            self._carry_turn ^= 1
+            host.fill_(-1)
+            rows, srcs = zip(*built.carry)
+            host[list(rows)] = torch.tensor(srcs, dtype=torch.int32)
+            stream = self.backend.stream
+            with torch.cuda.stream(stream) if stream is not None else nullcontext():
+                self.carry.copy_(host, non_blocking=True)
+        self.prev, self.prev_n = built.rows, plan.num_reqs
+        return self.backend.metadata(plan)
+
+    def in_graph(self, md: StepMetadata, prev_output_ids: torch.Tensor) -> None:
+        """The device part of a zos step, on the compute stream (captured with the model when
+        transformers captures the step).
+
+        Writes ``buffers.sampled`` (int32 [R]) from ``prev_output_ids[0, :R]`` (transformers'
+        int32 ``[rows, max_batch_tokens + 1]`` output of the previous batch: row i of a zos
+        step samples at logits index i), rebuilds the step's metadata in place (prep kernels),
+        then, for rows whose token was in flight, ``input_ids[row] = prev_output_ids[0, src]``
+        and resets those entries of the carry map to -1.
+        """
+        r = self.buffers.max_num_reqs
+        self.buffers.sampled.copy_(prev_output_ids[0, :r])
+        self.backend.build(md.padded_size)
+        if self.carry is not None:
+            carry = self.carry[: md.padded_size]
+            taken = prev_output_ids[0, carry.long()]  # -1 reads the static 0 at the end
+            md.input_ids.copy_(torch.where(carry >= 0, taken, md.input_ids))
+            carry.fill_(-1)
+
+    def model_kwargs(self, md: StepMetadata, cache, logits_processor_args) -> dict:
+        """The model's keyword arguments for a zos step (transformers' ``PagedAttentionArgs``
+        names; the model runs ``md.padded_size`` rows, transformers reads the real ones)."""
+        n = md.padded_size
+        return dict(input_ids=md.input_ids.unsqueeze(0), position_ids=md.positions.unsqueeze(0),
+                    cu_seq_lens_q=md.query_start_loc, cu_seq_lens_k=md.query_start_loc,
+                    max_seqlen_q=1, max_seqlen_k=1, logits_indices=self.logits_indices[:n],
+                    logits_processor_args=logits_processor_args, attention_mask=None,
+                    read_index=[], write_index=[], cache=cache, block_table=None,
+                    use_cache=False, zos_metadata=md)
+
+
+def graph_key(md: StepMetadata) -> tuple:
+    """The key of a zos step's graph in transformers' graph store (never one of its own)."""
+    return ("zos", md.padded_size)
