@@ -20,8 +20,9 @@ time of transformers' three phases (``prepare_next_batch``, ``_generation_step``
 ``prepare_batch_tensors`` alone (the metadata); H2D bytes / copies and GPU busy time of a whole
 decode iteration from ``torch.profiler`` (``--profile-steps`` iterations in the middle of the
 first timed run); the first decode iteration after a prefill (zos stages every row as new);
-the wall time ``generate_batch`` spends outside its batches (manager start and stop, the same
-for every mode).
+the wall time ``generate_batch`` spends outside its batches (manager start and stop: its
+``stop`` runs ``gc.collect()``, the same for every mode) and tokens/s over the batches alone
+(first batch's start to last batch's end, what a long-lived manager sees).
 Token agreement of each mode with ``tf_best`` (bf16: near-tied random logits may flip; the
 float32 equality is tested in tests/test_hf.py).
 
@@ -234,16 +235,20 @@ def run_mode(model, inputs, args, n: int, mode: str, repeats: int) -> tuple[dict
         raise RuntimeError(f"{mode} at N={n} did not finish every request (see the log above)")
     total = sum(len(t) for t in tokens)
     # what generate_batch spends outside its batches: the manager's start and stop (thread,
-    # reset, gc.collect and empty_cache in stop), request submission and output collection
+    # reset, the last 0.1 s poll for requests, gc.collect and empty_cache in stop), request
+    # submission and output collection
     outside = walls[0] - summary["batches_s"] if summary["batches_s"] is not None else None
+    batches = summary["batches_s"]
     return dict(summary, wall_s=walls, outside_batches_s=outside, generated_tokens=total,
+                tokens_per_s_batches=total / batches if batches else None,
                 tokens_per_s_best=total / min(walls),
                 tokens_per_s_median=total / statistics.median(walls)), tokens
 
 
 def _line(mode: str, r: dict) -> str:
     us = (lambda k: f"{r[k]:.0f}" if r[k] is not None else "-")
-    return (f"{mode} {r['tokens_per_s_best']:.0f} tok/s, TPOT {us('tpot_us')} us (prep "
+    return (f"{mode} {r['tokens_per_s_best']:.0f} tok/s ({r['tokens_per_s_batches'] or 0:.0f} "
+            f"in batches), TPOT {us('tpot_us')} us (prep "
             f"{us('metadata_host_us')}, step {us('generation_step_us')}, update "
             f"{us('update_batch_us')}), H2D {r['h2d_bytes_per_iteration']} B")
 
