@@ -16,6 +16,8 @@ Triton (compiled, or the interpreter on a CPU) either way.
 """
 from __future__ import annotations
 
+from zos._interpret import check_triton_device
+
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -50,6 +52,8 @@ def model_ops(kernels: str | None, device: torch.device) -> SimpleNamespace:
         kernels = "torch" if torch.device(device).type == "cpu" else "triton"
     if kernels not in _OPS:
         raise ValueError(f"kernels: expected one of {list(KERNELS)} or None, got {kernels!r}")
+    if kernels == "triton":
+        check_triton_device(device, "LlamaForCausalLM(kernels='triton')")
     return _OPS[kernels]
 
 
@@ -206,7 +210,9 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: LlamaConfig, dtype: torch.dtype = torch.float32, device=None,
                  kernels: str | None = None):
         super().__init__()
-        model_ops(kernels, "cpu")  # ValueError for an unknown name, before any allocation
+        if kernels not in (None, *KERNELS):
+            raise ValueError(f"kernels: expected one of {list(KERNELS)} or None, got "
+                             f"{kernels!r}")
         self.kernels = kernels
         c = self.config = config
         if c.num_attention_heads % c.num_key_value_heads or c.head_dim % 2:
