@@ -2,12 +2,13 @@
 remedy (TRITON_INTERPRET=1 before triton is imported), not deep inside a Triton launch
 ("Pointer argument ... cannot be accessed from Triton (cpu tensor?)"). Such a machine is
 simulated here: CUDA reported available, zos's kernels reported not interpreted."""
+import zos._interpret
+
 import os
 
 import pytest
 import torch
 
-import zos._interpret
 from zos import DecodeBuffers, DeviceMetadataBackend, HostMetadataBackend, SpecDecoder
 from zos.serving.engine import Engine, EngineConfig
 from zos.serving.models import random_llama
