@@ -296,7 +296,8 @@ def _run(args, s: dict, device: torch.device) -> dict:
         f"{s['num_kv_blocks']}, max_model_len {s['max_model_len']}, buckets "
         f"{s['bucket_policy']}, graphs {'on' if s['graphs'] else 'off' if cuda else 'off on CPU'}"
         + (f", spec {s['spec']} k={s['num_draft_tokens']}" if s["spec"] else "")
-        + f", {s['repeats']} run(s) per backend, alternating order")
+        + (f", {s['repeats']} runs per backend in alternating order" if s["repeats"] > 1 else
+           ", one run per backend"))
     warm_up(model, s, device, prompts)
     runs, phases, profiled = {"host": [], "zos": []}, {"host": [], "zos": []}, {}
     order = run_timing.alternating(demo_report.BACKENDS, s["repeats"])
