@@ -138,9 +138,8 @@ def _load_gguf_model(d: str, name: str, path: str, dtype: torch.dtype):
     if is_accelerate_available():
         model = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=dtype)
     else:
-        from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
         from transformers.initialization import no_init_weights
+        from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
         config = AutoConfig.from_pretrained(d, gguf_file=name)
         with no_init_weights():  # every weight is loaded below (lm_head tied)
