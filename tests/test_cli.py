@@ -201,6 +201,18 @@ def test_cli_bad_input(capsys, argv, flag):
     assert err.count("\n") == 1 and err.startswith("zos buckets: error: ") and flag in err
 
 
+@pytest.mark.parametrize("argv,flag", [
+    (("--repeats", "0"), "--repeats"), (("--repeats", "two"), "--repeats"),
+    (("--threads", "0"), "--threads"), (("--num-requests", "0"), "--num-requests"),
+])
+def test_cli_demo_bad_input(capsys, tmp_path, argv, flag):
+    """Bad ``zos demo`` flags: one line naming the flag, exit 2, before any model is loaded
+    (the flags are checked in a second)."""
+    rc, out, err = run_cli(capsys, "demo", "--tiny", "--out", str(tmp_path / "r"), *argv)
+    assert rc == 2 and out == ""
+    assert err.count("\n") == 1 and err.startswith("zos demo: error: ") and flag in err
+
+
 def test_cli_no_command(capsys):
     rc, out, err = run_cli(capsys)
     assert rc == 2 and out == "" and err.count("\n") == 1 and err.startswith("zos: error: ")

@@ -1,5 +1,6 @@
-"""``zos demo`` end to end on a tiny random Llama (its report, and on a CPU what the report may
-claim), a bad ``--out`` and a missing matplotlib, and the trace slicing / prompt synthesis."""
+"""``zos demo`` end to end on a tiny random Llama (its report, its timing split into TPOT and
+prefill over alternating repeats, and on a CPU what the report may claim), a bad ``--out`` and a
+missing matplotlib, the trace slicing / prompt synthesis, and the timing helpers."""
 import contextlib
 import io
 import json
@@ -9,11 +10,12 @@ import sys
 
 import pytest
 
-from zos.serving import demo
+from zos.serving import demo, run_timing
 from zos.serving import trace as ztrace
 from zos.serving.cli import main
 from zos.serving.demo import auto_num_blocks
 from zos.serving.report import first_mismatch, format_samples, sample_texts, write_report
+from zos.serving.types import StepRecord
 
 CONV_HEAD = [(374, 44), (396, 109), (879, 55), (91, 16), (91, 16), (381, 84)]  # file rows 1-6
 
@@ -118,6 +120,15 @@ def test_demo_end_to_end_tiny(tiny):
     md = (out / "report.md").read_text()
     assert "Identical tokens" in md and "YES" in md and rep["setup"]["torch"] in md
     assert "![per-step figures](report.png)" in md
+    assert rep["setup"]["repeats"] == 1 and rep["setup"]["run_order"] == "host, zos"
+    for b in (h, z):  # one TPOT per decode step; a run's decode time is their sum
+        t = b["timing"]
+        assert t["runs"] == 1 and t["tpot_s"]["n"] == b["totals"]["decode_steps"]
+        assert len(b["series"]["tpot_s"]) == b["totals"]["decode_steps"]
+        assert t["decode_s_per_run"]["median"] == pytest.approx(sum(b["series"]["tpot_s"]))
+        assert 0 < t["prefill_s_per_run"]["median"]
+        assert (t["decode_s_per_run"]["median"] + t["prefill_s_per_run"]["median"]
+                <= b["totals"]["wall_s"])
 
 
 def test_demo_overlap_same_tokens_as_sync(tiny, tmp_path):
@@ -177,7 +188,14 @@ def test_demo_on_cpu_compares_no_times(tiny):
         assert "bytes handed to the copies / decode step, median (no H2D on CPU)" in text
         assert "metadata us / decode step, median (CPU, not comparable)" in text
         assert "(interpreter)" in text and "(numba)" in text
-        assert "tokens/s (CPU, not comparable)" in text
+        assert "tokens/s, whole run incl. prefill (CPU, not comparable)" in text
+        assert "decode ms / step (TPOT), median [IQR] of all steps (CPU, not comparable)" in text
+        assert "graphs off on CPU" in text and "no bucket" not in text  # why steps are eager
+        assert "A GPU run adds" in text and "TPOT: the wall time of each engine step" in text
+    for b in rep["backends"].values():
+        n = b["totals"]["decode_steps"]
+        assert b["eager_reasons"] == {"graphs off on CPU": n}
+        assert b["totals"]["graphs_captured"] == 0
 
 
 def test_demo_without_matplotlib_skips_the_picture(tiny, tmp_path, monkeypatch, capsys):
@@ -234,3 +252,76 @@ def test_demo_graph_flags_checked_first(tmp_path, monkeypatch, capsys, extra, er
     cap = capsys.readouterr()
     assert rc == 2 and cap.out == ""
     assert cap.err.startswith(f"zos demo: error: {err}") and cap.err.count("\n") == 1
+
+
+def test_demo_repeats_alternate_and_agree(tmp_path):
+    """``--repeats 2``: the backends run host, zos, zos, host; every run's tokens are the same;
+    TPOT has one value per decode step of both runs and the per-run figures a range over 2."""
+    out = tmp_path / "rep"
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(io.StringIO()):
+        rc = main(TINY + ["--repeats", "2", "--num-requests", "3", "--max-output", "5",
+                          "--out", str(out)])
+    assert rc == 0 and "identical tokens: YES" in stdout.getvalue()
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["setup"]["repeats"] == 2 and rep["setup"]["run_order"] == "host, zos, zos, host"
+    assert "2 runs per backend in alternating order (host, zos, zos, host)" in stdout.getvalue()
+    assert "range of 2 runs" in stdout.getvalue()
+    for b in rep["backends"].values():
+        t = b["timing"]
+        assert t["runs"] == 2 and t["tpot_s"]["n"] == 2 * b["totals"]["decode_steps"]
+        for k in ("decode_s_per_run", "prefill_s_per_run", "tokens_per_s_per_run"):
+            assert t[k]["n"] == 2 and t[k]["min"] <= t[k]["median"] <= t[k]["max"]
+
+
+def _rec(step, kind, seconds):
+    return StepRecord(step, kind, "eager", 1, 1, 0.0, 0, 0, seconds)
+
+
+def test_split_step():
+    """A step's wall time: its prefill records' seconds, the rest to decode when it decoded."""
+    assert run_timing.split_step(3, 0.5, [_rec(3, "prefill", 0.2), _rec(3, "decode", 0.1)]) \
+        == run_timing.StepTime(3, 0.2, 0.3, True)
+    assert run_timing.split_step(4, 0.25, [_rec(4, "decode", 0.1)]) == \
+        run_timing.StepTime(4, 0.0, 0.25, True)
+    assert run_timing.split_step(5, 0.5, [_rec(5, "prefill", 0.125)]) == \
+        run_timing.StepTime(5, 0.5, 0.0, False)  # no decode: all of it is prefill
+    assert run_timing.split_step(6, 0.1, [_rec(6, "prefill", 0.3), _rec(6, "decode", 0)]) == \
+        run_timing.StepTime(6, 0.1, 0.0, True)  # a prefill record never exceeds the wall
+    with pytest.raises(ValueError, match="wall_s"):
+        run_timing.split_step(1, -1.0, [])
+    ph = run_timing.run_phases([run_timing.StepTime(1, 0.5, 0.0, False),
+                                run_timing.StepTime(2, 0.25, 0.125, True),
+                                run_timing.StepTime(3, 0.0, 0.375, True)])
+    assert ph == dict(prefill_s=0.75, decode_s=0.5, decode_steps=2, tpot_s=[0.125, 0.375])
+
+
+def test_timed_steps_wraps_the_engine_step():
+    class FakeEngine:
+        def step(self, progress=None):
+            return [_rec(1, "prefill", 0.0), _rec(1, "decode", 0.0)]
+
+    eng = FakeEngine()
+    times = run_timing.timed_steps(eng)
+    assert eng.step() and eng.step()
+    assert [t.step for t in times] == [1, 1] and all(t.decoded for t in times)
+    assert all(t.decode_s >= 0 and t.prefill_s == 0 for t in times)
+
+
+@pytest.mark.parametrize("xs,expected", [
+    ([2.0], dict(median=2.0, min=2.0, max=2.0, q1=2.0, q3=2.0, n=1)),
+    ([4.0, 1.0, 3.0, 2.0, 5.0], dict(median=3.0, min=1.0, max=5.0, q1=2.0, q3=4.0, n=5)),
+    ([1.0, 2.0], dict(median=1.5, min=1.0, max=2.0, q1=1.25, q3=1.75, n=2)),
+])
+def test_spread(xs, expected):
+    assert run_timing.spread(xs) == expected
+
+
+def test_spread_overlap_and_order():
+    assert run_timing.spread([]) is None
+    a, b, c = (run_timing.spread(x) for x in ([1.0, 2.0], [1.5, 3.0], [2.5, 4.0]))
+    assert run_timing.overlap(a, b) and not run_timing.overlap(a, c) and run_timing.overlap(b, c)
+    assert run_timing.overlap(a, None) is None
+    assert run_timing.alternating(("host", "zos"), 1) == ["host", "zos"]
+    assert run_timing.alternating(("host", "zos"), 3) == ["host", "zos", "zos", "host", "host",
+                                                          "zos"]

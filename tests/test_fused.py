@@ -1,5 +1,9 @@
 """Fused Llama-layer kernels (zos/serving/models/fused.py) against the plain torch formulas they
-replace, and the fused model against the unfused layer composition."""
+replace, the model's torch ops for CPUs (zos/serving/models/torch_ops.py) against the Triton
+kernels (in Triton's interpreter on a CPU, compiled on CUDA), and the fused model against the
+unfused layer composition and against itself on torch ops."""
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -7,9 +11,11 @@ import torch.nn.functional as F
 from zos import PAD_SLOT_ID
 from zos.serving.models import allocate_kv_cache, prefill_attention, random_llama, store_kv
 from zos.serving.models import fused as fz
+from zos.serving.models import torch_ops as tops
+from zos.serving.models.llama import LlamaForCausalLM
 
 from helpers import DEVICE as DEV
-from helpers import LLAMA_CFG, attention_meta
+from helpers import LLAMA_CFG, attention_meta, to_device
 
 F32, BF16, I64 = torch.float32, torch.bfloat16, torch.int64
 SENTINEL = 1234.5  # exactly representable in every float dtype here
@@ -147,7 +153,12 @@ def test_silu_and_mul(num_tokens, inter, dtype, tiling):
 
 # --- argument validation -----------------------------------------------------------------------
 
-def test_rms_norm_errors():
+BOTH = pytest.mark.parametrize("ops", [fz, tops], ids=["triton", "torch"])
+
+
+@BOTH
+def test_rms_norm_errors(ops):
+    fz = ops
     x, w = torch.zeros(3, 8, device=DEV), torch.ones(8, device=DEV)
     with pytest.raises(ValueError, match="^rms_norm: weight"):
         fz.rms_norm(x, torch.ones(9, device=DEV), 1e-5)
@@ -167,7 +178,9 @@ def test_rms_norm_errors():
         fz.rms_norm(x, w, 1e-5, residual=[0.0] * 8)
 
 
-def test_silu_and_mul_errors():
+@BOTH
+def test_silu_and_mul_errors(ops):
+    fz = ops
     with pytest.raises(ValueError, match="^silu_and_mul: gate_up"):
         fz.silu_and_mul(torch.zeros(3, 7, device=DEV))
     with pytest.raises(ValueError, match="^silu_and_mul: gate_up"):
@@ -176,7 +189,9 @@ def test_silu_and_mul_errors():
         fz.silu_and_mul(torch.zeros(3, 8, dtype=I64, device=DEV))
 
 
-def test_rope_and_store_kv_errors():
+@BOTH
+def test_rope_and_store_kv_errors(ops):
+    fz = ops
     hq, hkv, hd, t = 4, 2, 16, 3
     qkv = torch.zeros(t, (hq + 2 * hkv) * hd, device=DEV)
     cs = torch.zeros(t, hd, device=DEV)
@@ -228,9 +243,11 @@ def _unfused_forward(model, input_ids, positions, caches, meta):
     return ref_rms_norm(x, model.norm.weight, model.norm.eps)
 
 
+@pytest.mark.parametrize("kernels", ["triton", "torch"])
 @pytest.mark.parametrize("dtype", [F32, BF16])
-def test_model_matches_unfused(dtype):
+def test_model_matches_unfused(dtype, kernels):
     model = random_llama(LLAMA_CFG, seed=0, dtype=dtype, device=DEV)
+    model.kernels = kernels
     c, bs, n = LLAMA_CFG, 4, 7
     ids = torch.randint(0, c.vocab_size, (n,), generator=torch.Generator().manual_seed(0))
     ids, pos = ids.to(DEV), torch.arange(n, device=DEV)
@@ -247,3 +264,161 @@ def test_model_matches_unfused(dtype):
     torch.testing.assert_close(out, ref, **TOL[dtype])
     for a, b in zip(*caches):
         torch.testing.assert_close(a, b, **TOL[dtype])
+
+
+# --- torch ops (what the model runs on a CPU) against the Triton kernels ----------------------
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
+@pytest.mark.parametrize("num_tokens", [0, 1, 6, 13])
+def test_torch_ops_match_triton(num_tokens, dtype):
+    """Each torch op gives the Triton kernel's values on tiny shapes: RoPE and the KV it writes
+    exactly, the norm and SiLU within the kernels' tolerance against torch; inputs unwritten."""
+    gen = torch.Generator().manual_seed(100 + num_tokens)
+    hq, hkv, hd, hidden, inter = 4, 2, 16, 48, 7
+    x = _randn(num_tokens, hidden, gen=gen, dtype=dtype, scale=3.0)
+    res = _randn(num_tokens, hidden, gen=gen, dtype=dtype)
+    w = _randn(hidden, gen=gen, dtype=dtype) + 1.0
+    torch.testing.assert_close(tops.rms_norm(x, w, 1e-5), fz.rms_norm(x, w, 1e-5), **TOL[dtype])
+    (a, sa), (b, sb) = tops.rms_norm(x, w, 1e-5, res), fz.rms_norm(x, w, 1e-5, res)
+    assert torch.equal(sa, sb)
+    torch.testing.assert_close(a, b, **TOL[dtype])
+    gate_up = _randn(num_tokens, 2 * inter, gen=gen, dtype=dtype, scale=4.0)
+    torch.testing.assert_close(tops.silu_and_mul(gate_up), fz.silu_and_mul(gate_up),
+                               **TOL[dtype])
+    qkv, cos, sin = _rope_case(num_tokens, hq, hkv, hd, dtype, gen, strided=True)
+    slots = torch.randperm(24, generator=gen)[:num_tokens]
+    if num_tokens >= 6:
+        slots[0], slots[2], slots[5] = PAD_SLOT_ID, 24, -3  # write nothing
+    slots = slots.to(I64).to(DEV)
+    caches = [torch.full((2, 6, 4, hkv, hd), SENTINEL, dtype=dtype, device=DEV) for _ in "ab"]
+    qkv0 = qkv.clone()
+    qa = tops.rope_and_store_kv(qkv, cos, sin, caches[0], slots, hq, hkv, hd)
+    qb = fz.rope_and_store_kv(qkv, cos, sin, caches[1], slots, hq, hkv, hd)
+    assert qa.shape == (num_tokens, hq, hd) and qa.is_contiguous()
+    assert torch.equal(qa, qb) and torch.equal(caches[0], caches[1])
+    assert torch.equal(qkv, qkv0)
+
+
+def _paged_case(gen, seq_lens, q_len, bs=4, hq=6, hkv=2, hd=8, nb=24, null_block=0):
+    """A cache of random K/V, a block table of distinct random blocks per row (columns past a
+    row's blocks: ``null_block``), q for ``q_len`` tokens per row."""
+    width = max(-(-s // bs) for s in seq_lens) + 1
+    cache = torch.randn(2, nb, bs, hkv, hd, generator=gen)
+    perm = (torch.randperm(nb - 1, generator=gen) + 1).tolist()
+    table = torch.full((len(seq_lens), width), null_block, dtype=torch.int32)
+    for r, s in enumerate(seq_lens):
+        for j in range(-(-s // bs)):
+            table[r, j] = perm.pop()
+    q = torch.randn(len(seq_lens) * q_len, hq, hd, generator=gen)
+    meta = attention_meta(torch.full((len(q),), PAD_SLOT_ID, dtype=I64),
+                          torch.tensor(seq_lens, dtype=torch.int32),
+                          torch.arange(len(seq_lens) + 1, dtype=torch.int32) * q_len, table)
+    return q, cache, meta
+
+
+@pytest.mark.parametrize("q_len", [1, 2, 3])
+@pytest.mark.parametrize("seq_lens", [[1], [5, 1, 12, 7], [16, 3, 1]])
+def test_torch_decode_attention_matches_triton(seq_lens, q_len):
+    """Attention through the block table in torch against zos's Triton paged attention, every
+    row included (dummy rows with seq_len 1; with q_len > 1 their negative positions attend to
+    key 0 in both), on a table whose unused columns point outside the pool."""
+    from zos.serving.models import decode_attention
+
+    gen = torch.Generator().manual_seed(len(seq_lens) * 10 + q_len)
+    seq_lens = [max(s, 1) for s in seq_lens]
+    q, cache, meta = _paged_case(gen, seq_lens, q_len, null_block=24)  # 24: past the pool
+    meta = to_device(meta, DEV)
+    q, cache = q.to(DEV), cache.to(DEV)
+    ours = tops.decode_attention(q, cache, meta, 0.35)
+    triton_meta = dataclasses.replace(meta, block_table=meta.block_table.clamp(max=23))
+    ref = decode_attention(q, cache, triton_meta, 0.35)  # Triton reads only the used columns
+    torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
+    bad = dataclasses.replace(meta, seq_lens=torch.zeros_like(meta.seq_lens))
+    with pytest.raises(ValueError, match="^decode_attention: seq_lens must be in"):
+        tops.decode_attention(q, cache, bad, 0.35)
+
+
+def _model_pair(dtype):
+    """The small random Llama twice, one on the Triton kernels, one on the torch ops."""
+    models = {}
+    for kernels in ("triton", "torch"):
+        m = random_llama(LLAMA_CFG, seed=0, dtype=dtype, device=DEV)
+        m.kernels = kernels
+        models[kernels] = m
+    return models
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_model_torch_kernels_match_triton(dtype):
+    """A packed prefill of two requests, then two padded decode steps (a dummy row each), on the
+    Triton kernels and on the torch ops: same hidden states (within the kernels' tolerance),
+    same KV caches, same greedy tokens (float32; in bfloat16 one rounding apart in a norm moves
+    a value by an ulp, which the next layers carry, and a near tie could flip a token)."""
+    c, bs = LLAMA_CFG, 4
+    out = {}
+    for kernels, model in _model_pair(dtype).items():
+        caches = allocate_kv_cache(c.num_hidden_layers, 8, bs, c.num_key_value_heads,
+                                   c.head_dim, dtype, DEV)
+        table = torch.tensor([[1, 2, 3], [4, 5, 6]], dtype=torch.int32, device=DEV)
+        gen = torch.Generator().manual_seed(5)
+        lens = [7, 3]
+        ids = torch.randint(0, c.vocab_size, (sum(lens),), generator=gen).to(DEV)
+        pos = torch.cat([torch.arange(n) for n in lens]).to(DEV)
+        row = torch.tensor([0] * lens[0] + [1] * lens[1], device=DEV)
+        slots = (table[row, pos // bs].long() * bs + pos % bs)
+        meta = attention_meta(slots, torch.tensor(lens, dtype=torch.int32, device=DEV),
+                              torch.tensor([0, 7, 10], dtype=torch.int32, device=DEV), table,
+                              query_lens_host=lens, seq_lens_host=lens)
+        hidden, tokens = [], []
+        with torch.no_grad():
+            h = model(ids, pos, caches, meta, is_prefill=True)[[6, 9]]
+            hidden.append(h)
+            nxt = model.compute_logits(h).argmax(-1)
+            for step in range(2):  # decode: rows 0, 1 real, row 2 a dummy row
+                p = torch.tensor([lens[0] + step, lens[1] + step, 0], device=DEV)
+                bt = torch.cat([table, torch.zeros(1, 3, dtype=torch.int32, device=DEV)])
+                sl = torch.cat([table[[0, 1], p[:2] // bs].long() * bs + p[:2] % bs,
+                                torch.tensor([PAD_SLOT_ID], device=DEV)]).to(I64)
+                dmeta = attention_meta(sl, (p + 1).to(torch.int32).clamp(min=1).where(
+                    torch.tensor([True, True, False], device=DEV), 1).to(torch.int32),
+                    torch.arange(4, dtype=torch.int32, device=DEV), bt)
+                x = torch.cat([nxt, torch.zeros(1, dtype=nxt.dtype, device=DEV)])
+                h = model(x, p, caches, dmeta, is_prefill=False)
+                hidden.append(h)
+                nxt = model.compute_logits(h[:2]).argmax(-1)
+                tokens.append(nxt.tolist())
+        out[kernels] = hidden, caches, tokens
+    (ht, ct, tt), (hc, cc, tc) = out["triton"], out["torch"]
+    tol = TOL[F32] if dtype == F32 else dict(atol=4e-2, rtol=2e-2)  # bf16: an ulp carried
+    for a, b in zip(ht, hc):
+        torch.testing.assert_close(a, b, **tol)
+    for a, b in zip(ct, cc):
+        torch.testing.assert_close(a, b, **tol)
+    if dtype == F32:
+        assert tt == tc
+
+
+@pytest.mark.parametrize("backend", ["host", "zos"])
+def test_engine_tokens_same_on_torch_and_triton_kernels(backend):
+    """The engine's tokens, both metadata backends, with the model on Triton kernels and on
+    torch ops: identical (prefill, preemption by recompute and padded decode steps)."""
+    from zos.serving.engine import Engine, EngineConfig, Request
+
+    cfg = EngineConfig(block_size=4, num_kv_blocks=9, max_num_seqs=3, max_model_len=24,
+                       backend=backend, use_cuda_graph=False, bucket_policy=None)
+    gen = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(0, LLAMA_CFG.vocab_size, (n,), generator=gen).tolist()
+               for n in (5, 9, 2, 7)]
+    outs = {}
+    for kernels, model in _model_pair(F32).items():
+        engine = Engine(model, cfg, DEV)
+        res = engine.run([Request(i, list(p), 8) for i, p in enumerate(prompts)])
+        outs[kernels] = res.outputs, res.totals["preemptions"]
+    assert outs["torch"] == outs["triton"]
+    assert outs["torch"][1] >= 1  # the tight pool preempted: recompute is covered too
+
+
+def test_model_kernels_argument():
+    assert LlamaForCausalLM(LLAMA_CFG, kernels="torch").kernels == "torch"
+    with pytest.raises(ValueError, match="kernels: expected one of"):
+        LlamaForCausalLM(LLAMA_CFG, kernels="cuda")

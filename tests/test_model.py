@@ -12,6 +12,7 @@ from zos.serving.models import (
     from_hf_model,
     prefill_attention,
     store_kv,
+    torch_ops,
     weights,
 )
 
@@ -74,8 +75,12 @@ def test_store_kv(num_tokens):
         store_kv(k, v[:, :2], cache, slots)
 
 
+@pytest.mark.parametrize("impl", ["triton", "torch"])
 @pytest.mark.parametrize("q_len", [1, 2])
-def test_decode_attention(q_len):
+def test_decode_attention(q_len, impl):
+    """Uniform-decode attention (zos's Triton paged attention, and the torch ops the model runs
+    on a CPU) against a dense causal reference."""
+    attend = decode_attention if impl == "triton" else torch_ops.decode_attention
     gen = torch.Generator().manual_seed(q_len)
     bs, hq, hkv, d, nb = 4, 6, 2, 8, 40
     seq_lens = [1, 4, 8, 13, 7, 2] if q_len == 1 else [2, 4, 8, 13, 7, 3]
@@ -92,7 +97,7 @@ def test_decode_attention(q_len):
     meta = attention_meta(torch.full((rows * q_len,), PAD_SLOT_ID, dtype=I64),
                           torch.tensor(seq_lens + [1], dtype=I32),
                           torch.arange(rows + 1, dtype=I32) * q_len, table)
-    out = decode_attention(q.to(DEV), cache.to(DEV), _to(meta), d ** -0.5).cpu()
+    out = attend(q.to(DEV), cache.to(DEV), _to(meta), d ** -0.5).cpu()
     for r, (s, kv) in enumerate(zip(seq_lens, kvs)):
         rq = slice(r * q_len, (r + 1) * q_len)
         ref = _dense(q[rq], kv[0], kv[1], torch.arange(s - q_len, s), d ** -0.5)

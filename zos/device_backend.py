@@ -1,6 +1,8 @@
 """zos's metadata backend: one small upload per step, metadata rebuilt on the device."""
 from __future__ import annotations
 
+from zos._interpret import check_triton_device
+
 import torch
 
 from zos._C import PinnedUpload
@@ -51,7 +53,9 @@ class DeviceMetadataBackend(MetadataBackend):
 
     Raises:
         ValueError: as :class:`MetadataBackend`; or ``stream`` is on another device than
-            the buffers, or given for CPU buffers.
+            the buffers, or given for CPU buffers; or CPU buffers on a machine whose Triton
+            compiles for the GPU (set ``TRITON_INTERPRET=1`` before triton is imported:
+            ``zos._interpret.check_triton_device``).
         TypeError: ``stream`` is not a ``torch.cuda.Stream``.
         RuntimeError: on CUDA, the driver cannot be loaded (:class:`zos._C.PinnedUpload`).
     """
@@ -61,6 +65,7 @@ class DeviceMetadataBackend(MetadataBackend):
     def __init__(self, buffers: DecodeBuffers, *, num_kv_blocks: int, vocab_size: int,
                  buckets: BucketTable | None = None, capture_prep: bool = False,
                  stream: torch.cuda.Stream | None = None) -> None:
+        check_triton_device(buffers.device, "DeviceMetadataBackend: buffers")
         cuda = buffers.device.type == "cuda"
         self._device_index = None
         if cuda:

@@ -15,7 +15,7 @@ verifier the rest (triton_kernels/spec.py).
 """
 from __future__ import annotations
 
-import zos._interpret  # noqa: F401  (sets TRITON_INTERPRET before triton is imported)
+from zos._interpret import check_triton_device  # sets TRITON_INTERPRET before triton
 
 import torch
 import triton
@@ -45,11 +45,13 @@ class SpecDecoder:
     Raises:
         TypeError: num_draft_tokens not an int.
         ValueError: q != 1 + num_draft_tokens, num_draft_tokens < 1, 1 <= min_n <= max_n
-            violated, or num_kv_blocks < 2.
+            violated, or num_kv_blocks < 2; CPU buffers on a machine whose Triton compiles for
+            the GPU (``zos._interpret.check_triton_device``).
     """
 
     def __init__(self, buffers: DecodeBuffers, *, num_kv_blocks: int, num_draft_tokens: int,
                  min_n: int = 1, max_n: int = 3) -> None:
+        check_triton_device(buffers.device, "SpecDecoder: buffers")
         q = buffers.uniform_decode_query_len
         num_draft_tokens = check_int("num_draft_tokens", num_draft_tokens)
         if q != 1 + num_draft_tokens:

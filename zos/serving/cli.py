@@ -225,17 +225,18 @@ def _compare(args, k: int, kflag: str) -> int:
 
 _DEMO_DOC = ("Run one slice of the Azure LLM inference trace 2023 through the engine twice, "
              "with host-built metadata and with zos, check the tokens are identical, and write "
-             "report.md/png/json. Size flags default by device: CPU values finish in minutes "
-             "on 2 cores (Triton interpreter), CUDA values use graphs.")
+             "report.md/png/json. Size flags default by device: CPU values finish in about a "
+             "minute on 2 cores (model in torch ops, zos's prep kernels in Triton's "
+             "interpreter), CUDA values use graphs.")
 DEMO_FLAGS = (
     ("--trace", dict(choices=("conv", "code"), default="conv", help="which trace (default conv)")),
     ("--start", dict(type=int, default=0, help="first request of the slice (default 0)")),
-    ("--num-requests", dict(type=int, help="requests in the slice (default: CPU 16, CUDA 256)")),
+    ("--num-requests", dict(type=int, help="requests in the slice (default: CPU 8, CUDA 256)")),
     ("--scale", dict(type=int, help="integer divisor of prompt and output lengths "
                      "(default 4)")),
     ("--max-prompt", dict(type=int, help="clamp of scaled prompt lengths (default: CPU 32, "
                           "CUDA 1024)")),
-    ("--max-output", dict(type=int, help="clamp of scaled output lengths (default: CPU 48, "
+    ("--max-output", dict(type=int, help="clamp of scaled output lengths (default: CPU 24, "
                           "CUDA 256)")),
     ("--max-num-seqs", dict(type=int, help="request rows per decode step (default: "
                             "CPU 8, CUDA 64)")),
@@ -261,6 +262,12 @@ DEMO_FLAGS = (
                                 "(default 2)")),
     ("--out", dict(default="zos-demo-out", help="report directory, created if missing and "
                    "checked for writing before the run (default zos-demo-out)")),
+    ("--repeats", dict(type=positive_int, help="timed runs per backend, in alternating order "
+                       "(host, zos, zos, host, ...); the report gives the spread (default: "
+                       "CPU 1, CUDA 3)")),
+    ("--threads", dict(type=positive_int, help="torch intra-op threads for the run (default: "
+                       "CPU 1, since decode steps of a few rows gain little from more and spare "
+                       "threads spin on a busy machine; CUDA: torch's own)")),
     ("--seed", dict(type=int, default=0, help="prompt windows and random weights (default 0)")),
     ("--quiet", dict(action="store_true", help="no progress bars or sample texts")),
     ("--tiny", dict(action="store_true", help=argparse.SUPPRESS)),  # small random Llama, tests

@@ -1,14 +1,18 @@
-"""``zos demo``: decode a slice of a real request trace twice, host metadata vs zos.
+"""``zos demo``: decode a slice of a real request trace, host metadata vs zos.
 
 One command: load SmolLM2-135M-Instruct (or random weights of its shape), take a slice of the
 Azure LLM inference trace 2023 (``zos.serving.trace``), fill its scaled prompt lengths with
 real prose, run the same slice through :class:`zos.serving.engine.Engine` with
-``backend="host"`` and with ``backend="zos"`` (CUDA graphs on a GPU), check that both generate
-the same tokens, and write a report (``zos.serving.report``). On CUDA a second, profiled run of
-each backend measures the H2D bytes of a sample of decode steps with ``torch.profiler``; the
-timed runs are not profiled. Outputs follow the trace's lengths: eos is ignored, as serving
-benchmarks do. The report directory is checked (created, a probe file written and removed)
-before any work, so a bad ``--out`` fails in a second, not after the runs.
+``backend="host"`` and with ``backend="zos"`` (CUDA graphs on a GPU), ``--repeats`` times each
+in alternating order (host, zos, zos, host, ...), check that every run generates the same
+tokens, and write a report (``zos.serving.report``) that gives decode time per step (TPOT)
+and prefill time apart, with their spread (``zos.serving.run_timing``). On CUDA a second,
+profiled run of each backend measures the H2D bytes of a sample of decode steps with
+``torch.profiler``; the timed runs are not profiled. On a CPU the model runs plain torch ops
+(``zos.serving.models.torch_ops``) while zos's prep kernels run in Triton's interpreter.
+Outputs follow the trace's lengths: eos is ignored, as serving benchmarks do. The report
+directory is checked (created, a probe file written and removed) before any work, so a bad
+``--out`` fails in a second, not after the runs.
 """
 from __future__ import annotations
 
@@ -20,14 +24,17 @@ import sys
 
 import torch
 
+from zos.serving import run_timing
 from zos.serving import trace as ztrace
 from zos.serving.engine import Engine, EngineConfig, Request
 from zos.serving.runner import check_graph_options
 
-CPU_DEFAULTS = dict(num_requests=16, scale=4, max_prompt=32, max_output=48, max_num_seqs=8,
-                    bucket_policy="none")
+# CPU: a slice that finishes in about a minute on 2 cores (model in torch ops, prep kernels in
+# Triton's interpreter); CUDA: a serving-sized slice, graphs, three runs per backend.
+CPU_DEFAULTS = dict(num_requests=8, scale=4, max_prompt=32, max_output=24, max_num_seqs=8,
+                    bucket_policy="none", repeats=1, threads=1)
 CUDA_DEFAULTS = dict(num_requests=256, scale=4, max_prompt=1024, max_output=256,
-                     max_num_seqs=64, bucket_policy="vllm")
+                     max_num_seqs=64, bucket_policy="vllm", repeats=3, threads=None)
 TINY_DEFAULTS = dict(num_requests=10, scale=8, max_prompt=24, max_output=16, max_num_seqs=4)
 TIGHT = 0.5  # auto num_kv_blocks: this share of what max_num_seqs average requests need at the end
 PROFILE_SAMPLES = 32  # decode steps profiled per backend on CUDA (every k-th step)
@@ -44,8 +51,9 @@ def tiny_config():
 
 def resolve_settings(args, cuda: bool) -> dict:
     """The run's settings: flags left at None take the device's defaults (CPU: a slice that
-    finishes in minutes under the Triton interpreter, no buckets; CUDA: a larger slice, vLLM
-    buckets, graphs unless ``--no-graphs``). ValueError for sizes < 1."""
+    finishes in about a minute, no buckets, one run per backend; CUDA: a larger slice, vLLM
+    buckets, graphs unless ``--no-graphs``, three runs per backend). ValueError for sizes
+    < 1."""
     base = dict(CUDA_DEFAULTS if cuda else CPU_DEFAULTS, **(TINY_DEFAULTS if args.tiny else {}))
     s = {k: (v if getattr(args, k, None) is None else getattr(args, k)) for k, v in base.items()}
     s.update(trace=args.trace, start=args.start, block_size=args.block_size, seed=args.seed,
@@ -60,8 +68,9 @@ def resolve_settings(args, cuda: bool) -> dict:
     s["num_draft_tokens"] = 0 if s["spec"] is None else (2 if k is None else k)
     if s["spec"] is not None and s["num_draft_tokens"] < 1:
         raise ValueError(f"--num-draft-tokens must be >= 1, got {s['num_draft_tokens']}")
-    for k in ("num_requests", "scale", "max_prompt", "max_output", "max_num_seqs", "block_size"):
-        if s[k] < 1:
+    for k in ("num_requests", "scale", "max_prompt", "max_output", "max_num_seqs", "block_size",
+              "repeats", "threads"):
+        if s[k] is not None and s[k] < 1:
             raise ValueError(f"--{k.replace('_', '-')} must be >= 1, got {s[k]}")
     try:
         check_graph_options(s["graph_capture"], s["graph_memory_budget"])
@@ -180,11 +189,14 @@ def _bar(total: int, desc: str, quiet: bool):
                                    dynamic_ncols=True)
 
 
-def run_backend(model, s, backend, device, prompts, slice_, quiet, profile_every=0):
+def run_backend(model, s, backend, device, prompts, slice_, quiet, profile_every=0, label=None):
     """Run the slice through a fresh Engine of ``backend``, with a progress bar of generated
-    tokens updated per engine step. With ``profile_every`` > 0 (CUDA), every k-th decode step
-    runs under ``zos.serving.profiling.profile_device``. Returns ``(RunResult, samples)``, a sample
-    being ``{"step", "h2d_bytes", "h2d_copies", "counted_bytes"}``."""
+    tokens updated per engine step (titled ``label``, default the backend). With
+    ``profile_every`` > 0 (CUDA), every k-th decode step runs under
+    ``zos.serving.profiling.profile_device``. Returns ``(RunResult, samples, phases)``: a sample
+    is ``{"step", "h2d_bytes", "h2d_copies", "counted_bytes"}``, ``phases`` the run's prefill
+    and decode wall time (:func:`zos.serving.run_timing.run_phases`). RuntimeError if the
+    engine's steps could not be timed."""
     engine = Engine(model, engine_config(s, backend), device, overlap=s["overlap"])
     samples = []
     if profile_every:
@@ -201,10 +213,11 @@ def run_backend(model, s, backend, device, prompts, slice_, quiet, profile_every
                                 h2d_copies=act.h2d_copies, counted_bytes=box[0].upload_bytes))
             return box[0]
         engine.runner.decode = decode
+    times = run_timing.timed_steps(engine)
     reqs = [Request(i, list(p), r.output_len, r.arrival)
             for i, (p, r) in enumerate(zip(prompts, slice_))]
     bar = _bar(sum(r.output_len for r in slice_),
-               f"{backend}{' (profiled)' if profile_every else ''}", quiet)
+               (label or backend) + (" (profiled)" if profile_every else ""), quiet)
 
     def progress(rec):
         bar.update(rec.num_reqs)
@@ -214,11 +227,14 @@ def run_backend(model, s, backend, device, prompts, slice_, quiet, profile_every
     finally:
         if bar is not None:
             bar.close()
+    if sum(1 for t in times if t.decoded) != result.totals["decode_steps"]:
+        raise RuntimeError("zos demo: the engine's steps were not timed (Engine.run no longer "
+                           "calls Engine.step?)")
     engine = None  # drop the KV cache before the next run (the profiling closure holds a cycle)
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return result, samples
+    return result, samples, run_timing.run_phases(times)
 
 
 def warm_up(model, s: dict, device: torch.device, prompts: list) -> None:
@@ -239,14 +255,26 @@ def run_demo(args) -> dict:
     Returns the report dict (``identical``: both backends generated the same tokens;
     ``paths``: the files written). Raises ValueError for invalid flags, before any work for an
     ``--out`` that cannot be written (see :func:`check_out_dir`), and for a report that cannot
-    be written after all (the OSError's reason, in one line)."""
+    be written after all (the OSError's reason, in one line). Torch's intra-op threads are
+    set to ``--threads`` for the run (CPU default 1) and restored after."""
+    cuda = torch.cuda.is_available()
+    s = resolve_settings(args, cuda)
+    check_out_dir(args.out)
+    threads = torch.get_num_threads()
+    if s["threads"] is not None:  # CPU: decode steps of a few rows gain little from more
+        torch.set_num_threads(s["threads"])  # threads, and on a busy machine spare ones spin
+    try:
+        return _run(args, s, torch.device("cuda" if cuda else "cpu"))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(args, s: dict, device: torch.device) -> dict:
+    """:func:`run_demo` after the flag checks, with ``s`` its settings."""
     from zos.serving import report as demo_report
 
     say = (lambda *a: None) if args.quiet else print
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda" if cuda else "cpu")
-    s = resolve_settings(args, cuda)
-    check_out_dir(args.out)
+    cuda = device.type == "cuda"
     model, tokenizer, info = load_model(s, device)
     vocab = model.config.vocab_size
     reach = s["num_draft_tokens"] * (2 if s["overlap"] else 1)
@@ -266,24 +294,34 @@ def run_demo(args) -> dict:
         f"scaled 1/{s['scale']}, prompts from {source}")
     say(f"  max_num_seqs {s['max_num_seqs']}, block {s['block_size']}, num_kv_blocks "
         f"{s['num_kv_blocks']}, max_model_len {s['max_model_len']}, buckets "
-        f"{s['bucket_policy']}, graphs {'on' if s['graphs'] else 'off'}"
-        + (f", spec {s['spec']} k={s['num_draft_tokens']}" if s["spec"] else ""))
+        f"{s['bucket_policy']}, graphs {'on' if s['graphs'] else 'off' if cuda else 'off on CPU'}"
+        + (f", spec {s['spec']} k={s['num_draft_tokens']}" if s["spec"] else "")
+        + (f", {s['repeats']} runs per backend in alternating order" if s["repeats"] > 1 else
+           ", one run per backend"))
     warm_up(model, s, device, prompts)
-    runs, outs, profiled = {}, {}, {}
-    for backend in ("host", "zos"):
-        runs[backend], _ = run_backend(model, s, backend, device, prompts, slice_, args.quiet)
-    mismatch = demo_report.first_mismatch(runs["host"].outputs, runs["zos"].outputs)
+    runs, phases, profiled = {"host": [], "zos": []}, {"host": [], "zos": []}, {}
+    order = run_timing.alternating(demo_report.BACKENDS, s["repeats"])
+    for i, backend in enumerate(order):
+        label = f"{backend} {i // 2 + 1}/{s['repeats']}" if s["repeats"] > 1 else backend
+        res, _, ph = run_backend(model, s, backend, device, prompts, slice_, args.quiet,
+                                 label=label)
+        runs[backend].append(res)
+        phases[backend].append(ph)
+    ref = runs["host"][0].outputs
+    mismatch = next((m for b in demo_report.BACKENDS for m in (
+        demo_report.first_mismatch(ref, r.outputs) for r in runs[b]) if m), None)
     if cuda:  # a second, profiled run of each backend: H2D bytes of every k-th decode step
-        every = max(1, runs["host"].totals["decode_steps"] // PROFILE_SAMPLES)
-        for backend in ("host", "zos"):
-            res, profiled[backend] = run_backend(model, s, backend, device, prompts, slice_,
-                                                 args.quiet, profile_every=every)
-            outs[backend] = res.outputs
-        mismatch = mismatch or demo_report.first_mismatch(outs["host"], outs["zos"])
-        if outs["host"] != runs["host"].outputs:
-            info["note_profiled"] = "the profiled runs generated other tokens than the timed runs"
-    samples = demo_report.sample_texts(prompts, runs["zos"].outputs, tokenizer)
-    report = demo_report.build_report(s, info, slice_, runs, profiled, mismatch, samples, device)
+        every = max(1, runs["host"][0].totals["decode_steps"] // PROFILE_SAMPLES)
+        for backend in demo_report.BACKENDS:
+            res, profiled[backend], _ = run_backend(model, s, backend, device, prompts, slice_,
+                                                    args.quiet, profile_every=every)
+            if res.outputs != ref:
+                info["note_profiled"] = ("the profiled runs generated other tokens than the "
+                                         "timed runs")
+                mismatch = mismatch or demo_report.first_mismatch(ref, res.outputs)
+    samples = demo_report.sample_texts(prompts, runs["zos"][0].outputs, tokenizer)
+    report = demo_report.build_report(s, info, slice_, runs, phases, profiled, mismatch,
+                                      samples, device, order)
     try:
         report["paths"] = demo_report.write_report(report, args.out)
     except OSError as e:  # the directory passed check_out_dir; e.g. the disk is full now

@@ -19,7 +19,8 @@ import triton
 
 from zos.triton_kernels.fused import rms_norm_kernel, rope_store_kv_kernel, silu_and_mul_kernel
 
-__all__ = ["rms_norm", "rope_and_store_kv", "silu_and_mul"]
+__all__ = ["check_rms_norm", "check_rope_and_store_kv", "check_silu_and_mul", "rms_norm",
+           "rope_and_store_kv", "silu_and_mul"]
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _SILU_BLOCK = 4096
@@ -61,6 +62,24 @@ def _same(where: str, ref_name: str, ref: torch.Tensor, others: dict) -> None:
             raise ValueError(f"{where}: {name} is on {t.device}, {ref_name} on {ref.device}")
 
 
+def check_rms_norm(x, weight, residual=None) -> None:
+    """The argument checks of :func:`rms_norm` (also those of the torch version,
+    ``torch_ops.rms_norm``): TypeError / ValueError naming the argument."""
+    where = "rms_norm"
+    _tensor(where, "x", x, 2)
+    _tensor(where, "weight", weight, 1)
+    hidden = x.shape[1]
+    if weight.shape[0] != hidden:
+        raise ValueError(f"{where}: weight must be [{hidden}], got {tuple(weight.shape)}")
+    _same(where, "x", x, {"weight": weight})
+    if residual is not None:
+        _tensor(where, "residual", residual, 2)
+        if residual.shape != x.shape:
+            raise ValueError(f"{where}: residual must be {tuple(x.shape)}, got "
+                             f"{tuple(residual.shape)}")
+        _same(where, "x", x, {"residual": residual})
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None):
     """RMSNorm of each row, optionally after adding the residual (one Triton launch, grid ``(T,)``
@@ -90,19 +109,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         TypeError: a non-tensor, an unsupported dtype or a dtype other than x's (names it).
         ValueError: a shape, layout or device mismatch (names the argument).
     """
-    where = "rms_norm"
-    _tensor(where, "x", x, 2)
-    _tensor(where, "weight", weight, 1)
+    check_rms_norm(x, weight, residual)
     t, hidden = x.shape
-    if weight.shape[0] != hidden:
-        raise ValueError(f"{where}: weight must be [{hidden}], got {tuple(weight.shape)}")
-    _same(where, "x", x, {"weight": weight})
-    if residual is not None:
-        _tensor(where, "residual", residual, 2)
-        if residual.shape != x.shape:
-            raise ValueError(f"{where}: residual must be {tuple(x.shape)}, got "
-                             f"{tuple(residual.shape)}")
-        _same(where, "x", x, {"residual": residual})
     out = torch.empty((t, hidden), dtype=x.dtype, device=x.device)
     res_out = None if residual is None else torch.empty_like(out)
     if t > 0 and hidden > 0:
@@ -117,41 +125,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return out if residual is None else (out, res_out)
 
 
-def rope_and_store_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                      kv_cache: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int,
-                      num_kv_heads: int, head_dim: int) -> torch.Tensor:
-    """Rotate-half RoPE on q and k of a fused qkv projection, K/V into the paged cache, one
-    Triton launch (vLLM's ``rotary_embedding`` + ``reshape_and_cache`` in one kernel).
-
-    Each head ``x`` becomes ``x * cos + cat(-x[D/2:], x[:D/2]) * sin`` with both products and
-    the sum rounded to the model dtype (as the torch composition computes it, so the result is
-    bit-identical to it). Rotated k and the unchanged v of row ``t`` are written to cache slot
-    ``slot_mapping[t]`` exactly as :func:`zos.serving.models.attention.store_kv` does.
-    Work is split over (token, rotated head) pairs, ``T * (num_heads + num_kv_heads)`` of them,
-    ``PAIRS`` per program (on the GPU ~1024 values: 32 pairs at head_dim 64), so the grid
-    ``(cdiv(T * (num_heads + num_kv_heads), PAIRS),)`` depends on shapes only.
-
-    Args:
-        qkv: ``[T, (num_heads + 2 * num_kv_heads) * head_dim]`` (q heads, k heads, v heads),
-            float32 / bfloat16 / float16, contiguous last dim. Not written.
-        cos, sin: ``[T, head_dim]`` in qkv's dtype (the table rows at each token's position),
-            contiguous last dim.
-        kv_cache: ``[2, num_kv_blocks, block_size, num_kv_heads, head_dim]``, qkv's dtype,
-            contiguous; K at ``[0]``, V at ``[1]``, written in place at the slots of
-            ``slot_mapping`` (nothing else is written).
-        slot_mapping: int64 ``[T]``; rows with slot ``< 0`` (PAD_SLOT_ID) or
-            ``>= num_kv_blocks * block_size`` write nothing to the cache (their q is still
-            returned).
-        num_heads, num_kv_heads, head_dim: positive; head_dim even.
-
-    Returns:
-        Rotated q, a new contiguous ``[T, num_heads, head_dim]`` tensor of qkv's dtype.
-
-    Raises:
-        TypeError: a non-tensor, an unsupported dtype, a dtype other than qkv's, slot_mapping
-            not int64 (names the argument).
-        ValueError: shape, layout or device mismatches, bad head counts (names the argument).
-    """
+def check_rope_and_store_kv(qkv, cos, sin, kv_cache, slot_mapping, num_heads: int,
+                            num_kv_heads: int, head_dim: int) -> None:
+    """The argument checks of :func:`rope_and_store_kv` (also those of the torch version,
+    ``torch_ops.rope_and_store_kv``): TypeError / ValueError naming the argument."""
     where = "rope_and_store_kv"
     for name, val in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads),
                       ("head_dim", head_dim)):
@@ -191,6 +168,46 @@ def rope_and_store_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     if slot_mapping.device != qkv.device:
         raise ValueError(f"{where}: slot_mapping is on {slot_mapping.device}, qkv on "
                          f"{qkv.device}")
+
+
+def rope_and_store_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      kv_cache: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int,
+                      num_kv_heads: int, head_dim: int) -> torch.Tensor:
+    """Rotate-half RoPE on q and k of a fused qkv projection, K/V into the paged cache, one
+    Triton launch (vLLM's ``rotary_embedding`` + ``reshape_and_cache`` in one kernel).
+
+    Each head ``x`` becomes ``x * cos + cat(-x[D/2:], x[:D/2]) * sin`` with both products and
+    the sum rounded to the model dtype (as the torch composition computes it, so the result is
+    bit-identical to it). Rotated k and the unchanged v of row ``t`` are written to cache slot
+    ``slot_mapping[t]`` exactly as :func:`zos.serving.models.attention.store_kv` does.
+    Work is split over (token, rotated head) pairs, ``T * (num_heads + num_kv_heads)`` of them,
+    ``PAIRS`` per program (on the GPU ~1024 values: 32 pairs at head_dim 64), so the grid
+    ``(cdiv(T * (num_heads + num_kv_heads), PAIRS),)`` depends on shapes only.
+
+    Args:
+        qkv: ``[T, (num_heads + 2 * num_kv_heads) * head_dim]`` (q heads, k heads, v heads),
+            float32 / bfloat16 / float16, contiguous last dim. Not written.
+        cos, sin: ``[T, head_dim]`` in qkv's dtype (the table rows at each token's position),
+            contiguous last dim.
+        kv_cache: ``[2, num_kv_blocks, block_size, num_kv_heads, head_dim]``, qkv's dtype,
+            contiguous; K at ``[0]``, V at ``[1]``, written in place at the slots of
+            ``slot_mapping`` (nothing else is written).
+        slot_mapping: int64 ``[T]``; rows with slot ``< 0`` (PAD_SLOT_ID) or
+            ``>= num_kv_blocks * block_size`` write nothing to the cache (their q is still
+            returned).
+        num_heads, num_kv_heads, head_dim: positive; head_dim even.
+
+    Returns:
+        Rotated q, a new contiguous ``[T, num_heads, head_dim]`` tensor of qkv's dtype.
+
+    Raises:
+        TypeError: a non-tensor, an unsupported dtype, a dtype other than qkv's, slot_mapping
+            not int64 (names the argument).
+        ValueError: shape, layout or device mismatches, bad head counts (names the argument).
+    """
+    check_rope_and_store_kv(qkv, cos, sin, kv_cache, slot_mapping, num_heads, num_kv_heads,
+                            head_dim)
+    t = qkv.shape[0]
     q = torch.empty((t, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
     if t == 0:
         return q
@@ -205,6 +222,15 @@ def rope_and_store_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
         HALF_BLOCK=half_block, PAIRS=pairs, num_warps=4 if pairs * half_block >= 512 else 2,
         enable_fp_fusion=False)
     return q
+
+
+def check_silu_and_mul(gate_up) -> None:
+    """The argument checks of :func:`silu_and_mul` (also those of the torch version,
+    ``torch_ops.silu_and_mul``): TypeError / ValueError naming the argument."""
+    where = "silu_and_mul"
+    _tensor(where, "gate_up", gate_up, 2)
+    if gate_up.shape[1] % 2:
+        raise ValueError(f"{where}: gate_up must be [T, 2 * I], got {tuple(gate_up.shape)}")
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -225,12 +251,8 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         TypeError: a non-tensor or an unsupported dtype. ValueError: not 2-D, an odd last
             dimension or a non-contiguous last dimension.
     """
-    where = "silu_and_mul"
-    _tensor(where, "gate_up", gate_up, 2)
-    t, two_i = gate_up.shape
-    if two_i % 2:
-        raise ValueError(f"{where}: gate_up must be [T, 2 * I], got {tuple(gate_up.shape)}")
-    n = two_i // 2
+    check_silu_and_mul(gate_up)
+    t, n = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty((t, n), dtype=gate_up.dtype, device=gate_up.device)
     if t > 0 and n > 0:
         block = min(triton.next_power_of_2(n), _SILU_BLOCK)

@@ -7,10 +7,19 @@ style): RMSNorm with the residual add fused in, RoPE + paged KV write, SiLU-and-
 launches 10 kernels in decode (norm, qkv, rope/KV, 2 attention, o_proj, add+norm, gate_up,
 silu_and_mul, down); the residual stream is carried from layer to layer as ``(hidden,
 residual)`` and added inside the next norm.
+
+Which kernels run (``LlamaForCausalLM(kernels=...)``, :func:`model_ops`): on CUDA the Triton
+ones (fused ops, :func:`zos.attention.paged_decode_attention`); on a CPU, where Triton would run
+them in its interpreter, the same ops in plain torch (:mod:`.torch_ops`: torch RMSNorm, RoPE,
+SiLU, attention through the block table). zos's prep kernels are not the model's: they run in
+Triton (compiled, or the interpreter on a CPU) either way.
 """
 from __future__ import annotations
 
+from zos._interpret import check_triton_device
+
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 import torch.distributed
@@ -19,8 +28,33 @@ from torch import nn
 
 from zos.buffers import StepMetadata
 
+from . import fused, torch_ops
 from .attention import decode_attention, prefill_attention
-from .fused import rms_norm, rope_and_store_kv, silu_and_mul
+
+KERNELS = ("triton", "torch")  # the model's kernel sets (LlamaForCausalLM's ``kernels``)
+_OPS = {
+    "triton": SimpleNamespace(name="triton", rms_norm=fused.rms_norm,
+                              rope_and_store_kv=fused.rope_and_store_kv,
+                              silu_and_mul=fused.silu_and_mul, decode_attention=decode_attention),
+    "torch": SimpleNamespace(name="torch", rms_norm=torch_ops.rms_norm,
+                             rope_and_store_kv=torch_ops.rope_and_store_kv,
+                             silu_and_mul=torch_ops.silu_and_mul,
+                             decode_attention=torch_ops.decode_attention),
+}
+
+
+def model_ops(kernels: str | None, device: torch.device) -> SimpleNamespace:
+    """The model's ops (``rms_norm``, ``rope_and_store_kv``, ``silu_and_mul``,
+    ``decode_attention``, and ``name``) for ``kernels``: "triton" (:mod:`.fused` and zos's
+    paged attention), "torch" (:mod:`.torch_ops`), or None: "torch" for CPU tensors, else
+    "triton". ValueError for another name."""
+    if kernels is None:
+        kernels = "torch" if torch.device(device).type == "cpu" else "triton"
+    if kernels not in _OPS:
+        raise ValueError(f"kernels: expected one of {list(KERNELS)} or None, got {kernels!r}")
+    if kernels == "triton":
+        check_triton_device(device, "LlamaForCausalLM(kernels='triton')")
+    return _OPS[kernels]
 
 
 @dataclass
@@ -75,7 +109,8 @@ class LlamaConfig:
 class RMSNorm(nn.Module):
     """``weight * x / sqrt(mean(x^2) + eps)``, statistics in float32 (as transformers).
 
-    One Triton launch (:func:`.fused.rms_norm`); the residual add can be fused in.
+    One Triton launch (:func:`.fused.rms_norm`), or torch ops on a CPU
+    (:func:`.torch_ops.rms_norm`); the residual add can be fused in.
     """
 
     def __init__(self, size: int, eps: float, dtype=None, device=None):
@@ -83,13 +118,15 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size, dtype=dtype, device=device))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, ops=None):
         """x ``[T, size]`` -> ``[T, size]`` of x's dtype, equal to the torch formula
         ``weight * (xf * rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)`` with
         ``xf = x.float()``. With ``residual`` ``[T, size]``: returns ``(norm(s), s)`` for
-        ``s = x + residual`` (vLLM's ``fused_add_rms_norm``). Errors: see :func:`.fused.rms_norm`.
+        ``s = x + residual`` (vLLM's ``fused_add_rms_norm``). ``ops``: :func:`model_ops`'
+        result (None: chosen by x's device). Errors: see :func:`.fused.rms_norm`.
         """
-        return rms_norm(x, self.weight, self.eps, residual)
+        ops = ops if ops is not None else model_ops(None, x.device)
+        return ops.rms_norm(x, self.weight, self.eps, residual)
 
 
 def _linear(n_out: int, n_in: int, dtype, device) -> nn.Parameter:
@@ -117,7 +154,7 @@ class LlamaLayer(nn.Module):
         self.gate_up_proj = _linear(2 * c.intermediate_size, c.hidden_size, dtype, device)
         self.down_proj = _linear(c.hidden_size, c.intermediate_size, dtype, device)
 
-    def forward(self, x, residual, cos, sin, kv_cache, meta, is_prefill: bool):
+    def forward(self, x, residual, cos, sin, kv_cache, meta, is_prefill: bool, ops=None):
         """One layer on the residual stream ``x + residual`` (vLLM style).
 
         Args:
@@ -126,6 +163,7 @@ class LlamaLayer(nn.Module):
             cos, sin: ``[T, head_dim]`` RoPE rows in the model dtype.
             kv_cache, meta, is_prefill: as :meth:`LlamaForCausalLM.forward`; this step's K/V
                 are written into ``kv_cache`` at ``meta.slot_mapping``.
+            ops: the kernels, :func:`model_ops`' result (None: chosen by x's device).
 
         Returns:
             ``(mlp_out, residual)``, both ``[T, hidden]``: this layer's output hidden state is
@@ -134,18 +172,19 @@ class LlamaLayer(nn.Module):
         c = self.c
         t = x.shape[0]
         hq, hkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        ops = ops if ops is not None else model_ops(None, x.device)
         if residual is None:
-            h, residual = self.input_layernorm(x), x
+            h, residual = self.input_layernorm(x, ops=ops), x
         else:
-            h, residual = self.input_layernorm(x, residual)
+            h, residual = self.input_layernorm(x, residual, ops=ops)
         qkv = F.linear(h, self.qkv_proj)
-        q = rope_and_store_kv(qkv, cos, sin, kv_cache, meta.slot_mapping, hq, hkv, hd)
-        attn = prefill_attention if is_prefill else decode_attention
+        q = ops.rope_and_store_kv(qkv, cos, sin, kv_cache, meta.slot_mapping, hq, hkv, hd)
+        attn = prefill_attention if is_prefill else ops.decode_attention
         o = attn(q, kv_cache, meta, hd ** -0.5)
         h, residual = self.post_attention_layernorm(
-            self._reduce(F.linear(o.reshape(t, hq * hd), self.o_proj)), residual)
+            self._reduce(F.linear(o.reshape(t, hq * hd), self.o_proj)), residual, ops=ops)
         gate_up = F.linear(h, self.gate_up_proj)
-        return self._reduce(F.linear(silu_and_mul(gate_up), self.down_proj)), residual
+        return self._reduce(F.linear(ops.silu_and_mul(gate_up), self.down_proj)), residual
 
     def _reduce(self, x: torch.Tensor) -> torch.Tensor:
         """x itself in one process; under tensor parallelism x summed over ``tp_group``."""
@@ -160,10 +199,21 @@ class LlamaForCausalLM(nn.Module):
     Parameters are allocated uninitialised (fill them with ``load_state_dict`` or
     :func:`zos.serving.models.weights.random_llama`). Buffers ``rope_cos`` / ``rope_sin`` float32
     ``[max_position_embeddings, head_dim]`` are precomputed at init.
+
+    ``kernels`` (also an attribute, settable): "triton", "torch" or None (default): the kernels
+    of each forward are chosen by the device of its inputs, Triton on CUDA, plain torch on a CPU
+    (:func:`model_ops`). "triton" on a CPU runs the model's kernels in Triton's interpreter (for
+    tests: slow); "torch" reads device values on the host, so it is not CUDA-graph capturable.
+    ValueError for another value.
     """
 
-    def __init__(self, config: LlamaConfig, dtype: torch.dtype = torch.float32, device=None):
+    def __init__(self, config: LlamaConfig, dtype: torch.dtype = torch.float32, device=None,
+                 kernels: str | None = None):
         super().__init__()
+        if kernels not in (None, *KERNELS):
+            raise ValueError(f"kernels: expected one of {list(KERNELS)} or None, got "
+                             f"{kernels!r}")
+        self.kernels = kernels
         c = self.config = config
         if c.num_attention_heads % c.num_key_value_heads or c.head_dim % 2:
             raise ValueError("LlamaForCausalLM: num_attention_heads must be a multiple of "
@@ -195,7 +245,7 @@ class LlamaForCausalLM(nn.Module):
                 layer, model dtype; this step's K/V are written in place at ``meta.slot_mapping``.
             meta: :class:`StepMetadata` for this step.
             is_prefill: True: eager :func:`prefill_attention` (needs the host lists); False:
-                capturable :func:`decode_attention` (uniform decode).
+                uniform-decode attention of the model's kernels (capturable with "triton").
 
         Returns:
             Final-normed hidden states ``[T, hidden_size]`` in the model dtype.
@@ -211,15 +261,16 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"forward: input_ids and positions must both be [T], got "
                              f"{tuple(input_ids.shape)} and {tuple(positions.shape)}")
         x = F.embedding(input_ids, self.embed_tokens)
+        ops = model_ops(self.kernels, x.device)
         dtype = x.dtype
         cos = self.rope_cos.index_select(0, positions).to(dtype)
         sin = self.rope_sin.index_select(0, positions).to(dtype)
         residual = None
         for layer, cache in zip(self.layers, kv_caches):
-            x, residual = layer(x, residual, cos, sin, cache, meta, is_prefill)
+            x, residual = layer(x, residual, cos, sin, cache, meta, is_prefill, ops)
         if residual is None:  # no layers
-            return self.norm(x)
-        return self.norm(x, residual)[0]
+            return self.norm(x, ops=ops)
+        return self.norm(x, residual, ops=ops)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden ``[T, hidden_size]`` (model dtype) -> float32 logits ``[T, vocab_size]``."""

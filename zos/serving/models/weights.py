@@ -7,6 +7,7 @@ directory so that later loads never touch the GGUF.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -90,6 +91,28 @@ def random_llama(config: LlamaConfig, seed: int = 0, dtype: torch.dtype = torch.
     return model.eval()
 
 
+@contextlib.contextmanager
+def _one_gguf_reader():
+    """Within this context ``gguf.GGUFReader`` gives one reader per file: transformers parses a
+    GGUF's metadata (SmolLM2's holds its 49k-token vocabulary) anew for the config and again for
+    the tensors, seconds of CPU each; the reader only maps the file read-only."""
+    import gguf
+
+    make, readers = gguf.GGUFReader, {}
+
+    def reader(path, *args, **kwargs):
+        key = (os.path.abspath(os.fspath(path)), args, tuple(sorted(kwargs.items())))
+        if key not in readers:
+            readers[key] = make(path, *args, **kwargs)
+        return readers[key]
+
+    gguf.GGUFReader = reader
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = make
+
+
 def load_smollm2_hf(dtype: torch.dtype = torch.float32):
     """Load SmolLM2-135M-Instruct from its GGUF through transformers.
 
@@ -98,25 +121,35 @@ def load_smollm2_hf(dtype: torch.dtype = torch.float32):
     ``accelerate`` is installed (transformers 5 requires it there), else the same dequantizer
     (``load_gguf_checkpoint``) into a model built from the GGUF config.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import is_accelerate_available
+    from transformers import AutoTokenizer
 
     path = smollm2_gguf_path()
     d, name = os.path.split(path)
     tokenizer = AutoTokenizer.from_pretrained(d, gguf_file=name)
+    with _one_gguf_reader():
+        return _load_gguf_model(d, name, path, dtype), tokenizer
+
+
+def _load_gguf_model(d: str, name: str, path: str, dtype: torch.dtype):
+    """The transformers model of :func:`load_smollm2_hf` (its docstring says how)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import is_accelerate_available
+
     if is_accelerate_available():
         model = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=dtype)
     else:
+        from transformers.initialization import no_init_weights
         from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
         config = AutoConfig.from_pretrained(d, gguf_file=name)
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        with no_init_weights():  # every weight is loaded below (lm_head tied)
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
         tensors = load_gguf_checkpoint(path, return_tensors=True, model_to_load=model)["tensors"]
         missing, unexpected = model.load_state_dict(tensors, strict=False)
         if unexpected or set(missing) - {"lm_head.weight"}:
             raise RuntimeError(f"GGUF load: missing {missing}, unexpected {unexpected}")
         model.tie_weights()
-    return model.eval(), tokenizer
+    return model.eval()
 
 
 def _read_cache(cache_dir: str, dtype, device):
