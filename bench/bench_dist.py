@@ -20,11 +20,11 @@ then ``--steps`` timed steps; for each backend (host-built, zos) and engine (syn
 * ``dp2``: every rank a full model and its own N requests (2N rows in all), one padded-size
   agreement per step (``DPRunner``);
 * ``dp2_skew``: as dp2 but rank 1 has max(1, N // 8) requests: it pads up to rank 0's N;
-* ``coord``: the coordination alone, for each transport: ``tp_publish`` (rank 0 publishes a
-  steady N-row DecodeStep every ``--coord-gap-us`` while rank 1 waits for it; per step the
-  latency from the start of the publish to the end of the receive, on the host's monotonic
-  clock, and the publish call alone) and ``dp_agree`` (the DP agreement back to back after a
-  barrier, ``--coord-reps`` times: its cost without rank skew).
+* ``coord``: the coordination alone, for each transport: ``tp_publish`` (per step, in
+  lockstep, rank 0 works ``--coord-gap-us`` then publishes a steady N-row DecodeStep that rank
+  1 waits for; the latency from the start of the publish to the end of the receive, on the
+  host's monotonic clock, and the publish call alone) and ``dp_agree`` (the DP agreement back
+  to back after a barrier, ``--coord-reps`` times: its cost without rank skew).
 
 tp2, dp2 and dp2_skew run once per ``--transports`` entry ("shm": the shared-memory ring / slots
 of one host, "collective": the gloo group, as across hosts; ``zos.serving.dist_transport``).
@@ -218,19 +218,21 @@ def _spin(us: float) -> None:
 
 
 def coord_tp(ctx, transport: str, n: int, reps: int, gap_us: float) -> dict:
-    """Rank 0 publishes a steady n-row DecodeStep (carried rows, one appended block) every
-    ``gap_us`` (busy, as a scheduler would be); rank 1 receives. Rank 0: publish-call us;
-    rank 1: receive-end times. Latency = receive end - publish start (``time.perf_counter``
-    is CLOCK_MONOTONIC, one clock for the host's processes)."""
+    """Per step, after a barrier (outside the timed window: the ranks are in lockstep, as the
+    model's all-reduce keeps them), rank 0 is busy for ``gap_us`` (a scheduler's work; rank 1
+    is waiting by then) and publishes a steady n-row DecodeStep (carried rows, one appended
+    block); rank 1 receives it. Rank 0: publish-call us; rank 1: receive-end times. Latency =
+    receive end - publish start (``time.perf_counter`` is CLOCK_MONOTONIC, one clock for the
+    host's processes)."""
     from zos.buffers import DecodeBuffers
 
     channel = StepChannel(ctx, DecodeBuffers(n, 4, BLOCK_SIZE, device="cpu"),
                           transport=transport, spin_s=0.05)
     step = DecodeStep(np.arange(n, dtype=np.int64), append_rows=np.array([0], np.int32),
                       append_block_ids=np.array([7], np.int32))
-    dist.barrier(group=ctx.cpu_group)
     marks, calls = [], []
     for _ in range(reps):
+        dist.barrier(group=ctx.cpu_group)  # lockstep, as the model's all-reduce makes it
         if ctx.rank == 0:
             _spin(gap_us)
             t0 = time.perf_counter()
@@ -293,7 +295,7 @@ def main() -> int:
     ap.add_argument("--transports", default="shm,collective",
                     help="comma-separated: shm, collective (and auto)")
     ap.add_argument("--coord-reps", type=int, default=2000, help="coord: steps / agreements")
-    ap.add_argument("--coord-gap-us", type=float, default=200.0,
+    ap.add_argument("--coord-gap-us", type=float, default=1000.0,
                     help="coord: rank 0's busy time between two published steps")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", required=True, help="JSON file written by rank 0")

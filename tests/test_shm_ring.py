@@ -15,7 +15,8 @@ import pytest
 from zos.buffers import DecodeBuffers
 from zos.serving import step_codec as codec
 from zos.serving.dist_transport import check_transport, step_slot_bytes
-from zos.serving.shm_ring import PeerRankFailed, SlotAgreement, StepRing, pid_alive
+from zos.serving.shm_agreement import SlotAgreement
+from zos.serving.shm_ring import FAILED, PeerRankFailed, StepRing, pid_alive
 from zos.step import DecodeStep
 
 from helpers import TraceGen
@@ -106,10 +107,22 @@ def test_reader_waiting_on_a_silent_or_failed_writer(ring_pair):
     w, (r,) = ring_pair(timeout_s=0.3)
     with pytest.raises(PeerRankFailed, match="rank 0 did not publish message 1 within 0.3 s"):
         r.receive()
-    w.set_state(3)  # FAILED
+    w.set_state(FAILED)
     with pytest.raises(PeerRankFailed, match="rank 0 failed; rank 1 stops too") as e:
         r.receive()
     assert e.value.rank == 0
+
+
+def test_writer_stops_at_once_at_a_reader_that_failed(ring_pair):
+    """A reader that marked itself FAILED (its runner raised) stops the writer's next publish,
+    though a slot is free (timeout 30 s: not reached)."""
+    w, (r,) = ring_pair(timeout_s=30.0)
+    w.publish(codec.STOP, (), [])
+    r.set_state(FAILED)
+    with pytest.raises(PeerRankFailed, match="tensor parallelism: rank 1 failed; rank 0 stops "
+                                             "too") as e:
+        w.publish(codec.STOP, (), [])
+    assert e.value.rank == 1 and w.next_seq == 2
 
 
 def test_message_bigger_than_a_slot_is_refused_before_writing(ring_pair):
@@ -191,3 +204,21 @@ def test_pid_alive_sees_exited_and_zombie_processes():
 def test_unknown_transport_refused(bad):
     with pytest.raises(ValueError, match="transport: expected one of"):
         check_transport(bad)
+
+
+def test_transport_across_hosts():
+    """Ranks on two hosts: "auto" takes the collective and "shm" is refused, both before any
+    collective or file (the peers' hosts were gathered at setup)."""
+    from zos.serving import dist_transport as T
+
+    peers = T._Peers.__new__(T._Peers)
+    peers.rank, peers.hosts, peers.pids = 0, ["a/1", "b/2"], [1, 2]
+    peers.same_host = False
+
+    def never():
+        raise AssertionError("no file across hosts")
+
+    assert T._open_segment(None, "auto", peers, never, never, "tensor parallelism") is None
+    with pytest.raises(ValueError, match=r"tensor parallelism: transport 'shm' needs every "
+                                         r"rank on one host, got hosts \['a/1', 'b/2'\]"):
+        T._open_segment(None, "shm", peers, never, never, "tensor parallelism")

@@ -158,7 +158,7 @@ def tp_follow(runner, ctx: DistContext, *, check_metadata: bool = False,
         raise
     except Exception as e:
         channel.abort()
-        peer = channel.peer_failure(grace_s=1.0)
+        peer = channel.peer_failure()
         if peer is not None:
             raise peer from e
         raise

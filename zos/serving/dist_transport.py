@@ -20,11 +20,11 @@ import torch
 import torch.distributed as dist
 
 from zos.serving import step_codec as codec
+from zos.serving.shm_agreement import SlotAgreement
 from zos.serving.shm_ring import (
     FAILED,
     PeerRankFailed,
     ShmSegment,
-    SlotAgreement,
     StepRing,
     pid_alive,
 )
@@ -199,7 +199,7 @@ class StepChannel:
         dist.broadcast_object_list(box, src=0, group=self.ctx.cpu_group)
         return box[0]
 
-    def peer_failure(self, grace_s: float = 5.0) -> PeerRankFailed | None:
+    def peer_failure(self, grace_s: float = 1.0) -> PeerRankFailed | None:
         """After an error: a PeerRankFailed if a rank of this host exited or (ring) marked
         itself failed within ``grace_s``, else None (the error was this rank's own)."""
         return self.peers.dead(self.what, self.ring, grace_s)

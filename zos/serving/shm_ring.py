@@ -1,4 +1,4 @@
-"""Shared memory between the ranks of one host: a step ring (TP) and a max agreement (DP).
+"""Shared memory between the ranks of one host: the segment, and the step ring of TP.
 
 Both live in one file under ``/dev/shm`` (a tmpfs) that every rank maps: rank 0 creates it, the
 others attach, and rank 0 unlinks it once all are attached, so nothing is left behind if a
@@ -17,10 +17,7 @@ sequence number; a reader waits for the sequence number, copies the payload out,
 acks. No slot is ever written while a reader may be reading it, so there is no torn read to
 detect (vLLM's ``MessageQueue`` uses the same written-flag / read-flags protocol).
 
-:class:`SlotAgreement` (DP): per rank two slots (round parity) of int64 words [round, v0,
-v1, v2]; a rank writes its values, fences, writes the round number, then waits until every
-rank has posted that round and takes the element-wise max. Two parities suffice: a rank posts
-round i + 2 only after every rank posted i + 1, which each did after reading round i.
+The DP agreement over the same kind of segment is :mod:`zos.serving.shm_agreement`.
 
 Every wait is bounded: it spins (``os.sched_yield``) for ``spin_s``, then sleeps in short
 steps, checks every ``CHECK_S`` that the ranks it waits for are alive (their pid, zombies
@@ -89,6 +86,8 @@ class ShmSegment:
         what: "tensor parallelism" / "data parallelism", for messages.
         timeout_s: how long a wait may last before :class:`PeerRankFailed`.
         spin_s: how long a wait spins before it sleeps.
+        num_slots, slot_bytes: rank 0 writes them into the control block (a ring's shape;
+            0 for the agreement); other ranks read them from it.
 
     Raises:
         ValueError: world_size < 2, rank outside [0, world_size), or a file that is not one.
@@ -151,9 +150,11 @@ class ShmSegment:
             pass
 
     def pid(self, r: int) -> int:
+        """Rank ``r``'s process id (0 before it attached)."""
         return int(self.ctl[self._rank_words(r)])
 
     def state(self, r: int) -> int:
+        """Rank ``r``'s state: 0 (not attached), RUNNING, DONE or FAILED."""
         return int(self.ctl[self._rank_words(r) + 1])
 
     def set_state(self, state: int) -> None:
@@ -201,7 +202,7 @@ class ShmSegment:
 
     def close(self) -> None:
         """Drop the mapping (views of it must be gone)."""
-        self.buf = self.ctl = None
+        self.buf = self.ctl = self._heads = self._payloads = self.slots = None
         try:
             self._mm.close()
         except BufferError:  # a view is still alive somewhere: the GC unmaps it later
@@ -237,12 +238,15 @@ class StepRing(ShmSegment):
         self.next_seq = 1  # writer: next message to publish; reader: next to receive
         self.readers = list(range(1, self.world_size))
         self._acks = [self._rank_words(r) + 2 for r in self.readers]
+        self._states = [self._rank_words(r) + 1 for r in self.readers]
+        base, size = self.data_offset(self.world_size), LINE + self.slot_bytes
+        offs = [base + i * size for i in range(self.num_slots)]
+        self._heads = [self.buf[o:o + LINE].view(np.int64) for o in offs]
+        self._payloads = [self.buf[o + LINE:o + size] for o in offs]
 
     def _slot(self, seq: int) -> tuple[np.ndarray, np.ndarray]:
-        off = self.data_offset(self.world_size) + ((seq - 1) % self.num_slots) * (
-            LINE + self.slot_bytes)
-        return (self.buf[off:off + LINE].view(np.int64),
-                self.buf[off + LINE:off + LINE + self.slot_bytes])
+        i = (seq - 1) % self.num_slots
+        return self._heads[i], self._payloads[i]
 
     def _lagging(self, seq: int) -> list[int]:
         return [r for r, w in zip(self.readers, self._acks) if self.ctl[w] < seq]
@@ -266,21 +270,20 @@ class StepRing(ShmSegment):
             if min(ctl[w] for w in acks) < free:
                 self.wait(lambda: min(ctl[w] for w in acks) >= free,
                           lambda: self._lagging(free), f"read message {free}")
-        else:
-            self.check_peers(())  # nothing to wait for
+        for r, w in zip(self.readers, self._states):  # a reader's own error: stop now
+            if self.ctl[w] == FAILED:
+                self.check_peers([r])
         head, payload = self._slot(seq)
-        off = 0
-        for a in arrays:
-            payload[off:off + a.nbytes] = a.view(np.uint8)
-            off += a.nbytes
+        if arrays:
+            np.concatenate([a.view(np.uint8) for a in arrays], out=payload[:nbytes])
         head[1], head[2] = kind, nbytes
         head[3:3 + len(args)] = args
         fence()
         head[0] = seq
         self.next_seq = seq + 1
 
-    def receive(self) -> tuple[int, np.ndarray, np.ndarray]:
-        """A reader: the next message as ``(kind, args int64[5], payload uint8 copy)``;
+    def receive(self) -> tuple[int, list, np.ndarray]:
+        """A reader: the next message as ``(kind, args (5 ints), payload uint8 copy)``;
         waits (bounded) for it.
 
         Raises:
@@ -292,7 +295,7 @@ class StepRing(ShmSegment):
             self.wait(lambda: head[0] == seq, lambda: [0], f"publish message {seq}")
         fence()
         kind, nbytes = int(head[1]), int(head[2])
-        args = head[3:3 + self.MAX_ARGS].copy()
+        args = head[3:3 + self.MAX_ARGS].tolist()
         data = payload[:nbytes].copy()
         fence()
         self.ctl[self._rank_words(self.rank) + 2] = seq
@@ -305,46 +308,3 @@ class StepRing(ShmSegment):
         ctl, acks = self.ctl, self._acks
         self.wait(lambda: min(ctl[w] for w in acks) >= last, lambda: self._lagging(last),
                   f"read message {last}")
-
-
-class SlotAgreement(ShmSegment):
-    """The DP agreement: :meth:`all_max` of a few int64 values over every rank of the host."""
-
-    WORDS = 4  # round, three values
-
-    @classmethod
-    def size(cls, world_size: int) -> int:
-        return cls.data_offset(world_size) + world_size * 2 * LINE
-
-    @classmethod
-    def create(cls, world_size: int, **kw) -> SlotAgreement:
-        """Rank 0: a new agreement file (see :class:`ShmSegment` for ``kw``)."""
-        return cls(cls.new_path(), 0, world_size, cls.size(world_size), **kw)
-
-    def __init__(self, *a, **kw) -> None:
-        super().__init__(*a, **kw)
-        base = self.data_offset(self.world_size)
-        self.slots = self.buf[base:base + self.world_size * 2 * LINE].view(np.int64).reshape(
-            self.world_size, 2, LINE // 8)
-        self.round = 0
-        self.others = [r for r in range(self.world_size) if r != self.rank]
-
-    def all_max(self, values) -> np.ndarray:
-        """Post ``values`` (up to 3 ints) for the next round and return the element-wise max
-        over every rank's values of that round (int64[3]).
-
-        Raises:
-            PeerRankFailed: a rank failed or exited before posting, or ``timeout_s`` passed.
-        """
-        i = self.round = self.round + 1
-        s = self.slots[:, i % 2]
-        mine = s[self.rank]
-        mine[1:4] = 0
-        mine[1:1 + len(values)] = values
-        fence()
-        mine[0] = i
-        if not (s[:, 0] == i).all():
-            self.wait(lambda: bool((s[:, 0] == i).all()),
-                      lambda: [r for r in self.others if s[r, 0] != i], f"reach agreement {i}")
-        fence()
-        return s[:, 1:4].max(axis=0)

@@ -76,9 +76,11 @@ def decode_message(kind: int, args, payload: np.ndarray) -> tuple:
     """
     if kind == DECODE:
         mp, n, m, nb, na = (int(x) for x in args[:5])
-        req_ids, *rest = _split(payload, [(np.int64, n)] + [(_I32, c) for c in (
-            m, m, m, m + 1, nb, na, na)])
-        return "decode", DecodeStep(req_ids, *rest), mp
+        i32 = payload[8 * n:].view(_I32)
+        o = [0, m, 2 * m, 3 * m, 4 * m + 1]
+        o += [o[-1] + nb, o[-1] + nb + na, o[-1] + nb + 2 * na]
+        return "decode", DecodeStep(payload[:8 * n].view(np.int64),
+                                    *(i32[o[j]:o[j + 1]] for j in range(7))), mp
     if kind == PREFILL:
         s, t, b = (int(x) for x in args[:3])
         tl, bl, flat_t, flat_b = _split(payload, [(_I32, s), (_I32, s), (_I32, t), (_I32, b)])
