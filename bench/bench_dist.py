@@ -169,6 +169,8 @@ def follow(runner, ctx, keep: int, transport: str) -> dict:
         if op[0] == "decode":
             runner.decode(op[1], min_padded_size=op[2])
             cpu.append((time.process_time() - c0) * 1e6)
+        elif op[0] == "accepted":
+            runner.backend.observe_accepted(op[1], op[2])
         else:
             runner.prefill(op[1])
 
