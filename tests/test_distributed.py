@@ -1,11 +1,14 @@
 """Tensor and data parallelism over torch.distributed (gloo, 2 processes on the CPU): TP=2
 generates the tokens of the single-process engine with both metadata backends and every rank's
-metadata buffers are byte-identical after every decode step; DP=2 ranks agree on one padded
-size per step (the largest of their own), an idle rank runs dummy steps, and each rank's tokens
-are those of its requests run alone. The model shards and the padded-size override are checked
-in one process."""
+metadata buffers are byte-identical after every decode step, through the shared-memory step
+ring and through the collective; TP=2 with 2 draft tokens gives plain greedy tokens; DP=2 ranks
+agree on one padded size per step (the largest of their own), an idle rank runs dummy steps,
+and each rank's tokens are those of its requests run alone; a rank that fails or exits makes
+the others raise PeerRankFailed naming it. The model shards, the padded-size override and the
+ring itself (tests/test_shm_ring.py) are checked in one process."""
 import json
 import os
+import time
 
 import numpy as np
 import pytest
@@ -28,15 +31,27 @@ needs_world = pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device
                                  reason=f"CUDA with fewer than {WORLD} GPUs")
 
 
-def spawn(fn, args, tmp_path) -> list[dict]:
-    """Run ``fn(rank, WORLD, init, out, *args)`` in WORLD spawned processes; their JSONs."""
+def spawn(fn, args, tmp_path, deadline_s: float = 600.0) -> list[dict | None]:
+    """Run ``fn(rank, WORLD, init, out, *args)`` in WORLD spawned processes; their JSONs (None
+    for a rank that wrote none). A run past ``deadline_s`` is killed and fails the test: the
+    bound that says "does not hang"."""
     init = f"file://{tmp_path}/store"
     out = str(tmp_path)
-    mp.start_processes(fn, args=(WORLD, init, out, *args), nprocs=WORLD, join=True,
-                       start_method="spawn")
+    ctx = mp.start_processes(fn, args=(WORLD, init, out, *args), nprocs=WORLD, join=False,
+                             start_method="spawn")
+    end = time.monotonic() + deadline_s
+    while not ctx.join(timeout=1.0):
+        if time.monotonic() > end:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail(f"spawned ranks still running after {deadline_s} s")
     ranks = []
     for r in range(WORLD):
-        with open(os.path.join(out, f"rank{r}.json"), encoding="utf-8") as f:
+        path = os.path.join(out, f"rank{r}.json")
+        if not os.path.exists(path):
+            ranks.append(None)
+            continue
+        with open(path, encoding="utf-8") as f:
             ranks.append(json.load(f))
     return ranks
 
@@ -47,31 +62,91 @@ def reference(model, reqs, backend):
     return {str(k): v for k, v in res.outputs.items()}
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["sync", "overlap"])
+@pytest.fixture(scope="module", params=[(False, "shm"), (True, "shm")],
+                ids=["sync-shm", "overlap-shm"])
 def tp_runs(request, tmp_path_factory):
-    return spawn(W.tp_worker, (11, request.param), tmp_path_factory.mktemp("tp"))
+    overlap, transport = request.param
+    return transport, spawn(W.tp_worker, (11, overlap, transport),
+                            tmp_path_factory.mktemp("tp"))
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["sync", "overlap"])
+@pytest.fixture(scope="module", params=[(False, "shm"), (True, "collective")],
+                ids=["sync-shm", "overlap-collective"])
 def dp_runs(request, tmp_path_factory):
-    return spawn(W.dp_worker, (request.param,), tmp_path_factory.mktemp("dp"))
+    overlap, transport = request.param
+    return transport, spawn(W.dp_worker, (overlap, transport), tmp_path_factory.mktemp("dp"))
 
 
 @needs_world
 @pytest.mark.parametrize("backend", W.BACKENDS)
 def test_tp2_tokens_and_metadata(tp_runs, llama, backend):
-    lead, follow = tp_runs[0][backend], tp_runs[1][backend]
+    transport, ranks = tp_runs
+    lead, follow = ranks[0][backend], ranks[1][backend]
+    assert lead["transport"] == transport
     assert lead["outputs"] == reference(llama, W.make_requests(11, 6, 12), backend)
     assert lead["decode_steps"] > 0 and len(lead["checksums"]) == lead["decode_steps"]
+    assert lead["preemptions"] > 0  # rows dropped and resumed travel through the ring too
     assert follow["checksums"] == lead["checksums"]
     for step in lead["checksums"]:
         assert len(step) == WORLD and len(set(step)) == 1
 
 
+@pytest.fixture(scope="module", params=[(False, "collective"), (True, "shm")],
+                ids=["sync-collective", "overlap-shm"])
+def tp_spec_runs(request, tmp_path_factory):
+    overlap, transport = request.param
+    return transport, spawn(W.tp_worker, (11, overlap, transport, 2),
+                            tmp_path_factory.mktemp("tpspec"))
+
+
+@needs_world
+@pytest.mark.parametrize("backend", W.BACKENDS)
+def test_tp2_spec_k2_is_plain_greedy(tp_spec_runs, llama, backend):
+    """TP = 2 with 2 draft tokens per row: every rank's packer gets the accepted counts (sent
+    by rank 0 through the ring or the collective; the synchronous engine hands over each step's
+    counts before the next step, the overlapped one a step late), metadata equal on both ranks
+    after every step, and the tokens are those of plain greedy decoding in one process (no
+    drafts). (The collective path of plain TP runs in test_tp_follower_exit_makes_leader_raise
+    and ran on 2 x H200 before the ring.)"""
+    transport, ranks = tp_spec_runs
+    lead, follow = ranks[0][backend], ranks[1][backend]
+    assert lead["transport"] == transport
+    assert lead["outputs"] == reference(llama, W.make_requests(11, 6, 12), backend)
+    assert lead["spec_tokens"] > lead["spec_rows"] > 0  # some drafts were accepted
+    assert len(lead["checksums"]) == lead["decode_steps"] > 0
+    assert follow["checksums"] == lead["checksums"]
+    assert all(len(set(step)) == 1 for step in lead["checksums"])
+
+
+@needs_world
+@pytest.mark.parametrize("transport", ["shm", "collective"])
+def test_tp_follower_exit_makes_leader_raise(tmp_path, transport):
+    """Rank 1 exits (no exception, no clean-up) in its 3rd decode: rank 0 stops with
+    PeerRankFailed naming rank 1, instead of hanging (the spawn's deadline is the bound)."""
+    ranks = spawn(W.tp_exit_worker, (transport, 3), tmp_path, deadline_s=300.0)
+    assert ranks[1] is None  # it never got to write
+    assert ranks[0]["error"].startswith("PeerRankFailed: tensor parallelism: rank 1 ")
+    assert "rank 0 stops" in ranks[0]["error"]
+    assert ranks[0]["decode_steps"] <= 3
+
+
+@needs_world
+def test_ring_reader_exit_makes_writer_raise(tmp_path):
+    """The step ring alone: rank 1 reads 5 messages and exits; rank 0 fills the free slots,
+    then raises PeerRankFailed naming rank 1 (its pid gone), long before the 60 s timeout."""
+    ranks = spawn(W.ring_exit_worker, (5,), tmp_path, deadline_s=300.0)
+    r0 = ranks[0]
+    assert r0["error"].startswith("PeerRankFailed: tensor parallelism: rank 1 (pid ")
+    assert r0["error"].endswith(") exited; rank 0 stops too")
+    assert r0["sent"] == 5 + r0["num_slots"]
+
+
 @needs_world
 @pytest.mark.parametrize("backend", W.BACKENDS)
 def test_dp2_agreement_dummy_steps_tokens(dp_runs, llama, backend):
-    runs = [r[backend] for r in dp_runs]
+    transport, ranks = dp_runs
+    runs = [r[backend] for r in ranks]
+    assert all(r["transport"] == transport for r in runs)
     agreed = runs[0]["agreed"]
     assert all(r["agreed"] == agreed for r in runs)  # one size per step, every rank
     for i, size in enumerate(agreed):
@@ -86,14 +161,15 @@ def test_dp2_agreement_dummy_steps_tokens(dp_runs, llama, backend):
 
 
 @needs_world
-@pytest.mark.parametrize("method, fail_at", [("decode", 3), ("prefill", 2)])
-def test_dp_rank_failure_stops_every_rank(tmp_path, method, fail_at):
+@pytest.mark.parametrize("method, fail_at, transport", [("decode", 3, "shm"),
+                                                        ("prefill", 2, "collective")])
+def test_dp_rank_failure_stops_every_rank(tmp_path, method, fail_at, transport):
     """Rank 1's engine step raises (in its third decode, after that step's agreement, or in its
     second prefill, before it): it stops with that error, and rank 0 stops at the agreement
     that meets rank 1's flagged one, with an error naming rank 1 (without the flag rank 0
     waited for rank 1 until the collective timed out, 120 s here, and stopped with gloo's
     timeout error). Both recorded the same agreements, one per engine step."""
-    ranks = spawn(W.dp_fail_worker, (method, fail_at, 120.0), tmp_path)
+    ranks = spawn(W.dp_fail_worker, (method, fail_at, 120.0, transport), tmp_path)
     assert ranks[1]["error"] == f"ValueError: injected: {method} call {fail_at} refused"
     assert ranks[0]["error"] == ("PeerRankFailed: data parallelism: rank 1 failed its engine "
                                  "step; rank 0 stops too")
@@ -205,11 +281,28 @@ def test_demo_dp2_spawned(tmp_path, capfd):
     assert "identical tokens (host vs zos): YES" in capfd.readouterr().out
 
 
+@needs_world
+def test_demo_tp2_spec_spawned(tmp_path, capfd):
+    """``zos demo --tp 2 --spec ngram`` (refused before the followers learned the accepted
+    counts): both backends give the same tokens, over the shared-memory ring."""
+    from zos.serving.cli import main
+
+    out = tmp_path / "report"
+    assert main(["demo", "--tp", "2", "--spec", "ngram", "--tiny", "--num-requests", "2",
+                 "--quiet", "--out", str(out)]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["mode"] == "tp2" and report["identical"] is True
+    assert report["settings"]["num_draft_tokens"] == 2
+    for b in W.BACKENDS:
+        t = report["backends"][b]
+        assert t["transport"] == "shm" and t["tokens"] > 0
+    assert "identical tokens (host vs zos): YES" in capfd.readouterr().out
+
+
 @pytest.mark.parametrize("argv, msg", [
     (["--tp", "2", "--dp", "2"], "--tp 2 --dp 2: one kind of parallelism at a time"),
     (["--tp", "0"], "--tp: expected an int >= 1, got '0'"),
-    (["--tp", "2", "--spec", "ngram"], "--tp 2 --spec ngram: speculative decoding under tensor "
-     "parallelism is not supported"),
+    (["--tp", "2", "--transport", "nccl"], "argument --transport: invalid choice: 'nccl'"),
 ])
 def test_demo_parallel_flags_refused(tmp_path, capsys, argv, msg):
     from zos.serving.cli import main

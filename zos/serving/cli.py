@@ -275,6 +275,10 @@ DEMO_FLAGS = (
                   "processes (GPUs): under torchrun --nproc-per-node P, or spawned here")),
     ("--dp", dict(type=positive_int, default=1, help="data parallelism over this many "
                   "processes (GPUs), one padded size agreed per step")),
+    ("--transport", dict(choices=("auto", "shm", "collective"), default="auto", help="--tp/--dp: "
+                         "how the step (TP) and the padded-size agreement (DP) travel: shm, a "
+                         "shared-memory ring on one host; collective, the gloo group; auto "
+                         "(default) picks shm when every rank is on this host")),
 )
 
 

@@ -10,10 +10,13 @@ TP: the model (SmolLM2-135M's real weights need 9 / 3 heads to split: they do no
 random weights of SmolLM2-135M's shape with 8 q heads and 2 KV heads, or ``--tiny``) is
 sharded over the P ranks; rank 0 schedules the whole slice. DP: request i goes to rank i mod P,
 every rank a full model. Each backend (host, zos) runs the slice in turn after a short warm-up;
-the tokens of both must be identical on every rank. Rank 0 prints the table and writes
-``report.json`` under ``--out``: per backend the tokens, tokens/s (all ranks' tokens over the
-slowest rank's wall time), decode steps, metadata us per decode step (median), and the cost of
-the per-step collective (TP: the step broadcast; DP: the padded-size agreement), host us.
+the tokens of both must be identical on every rank. ``--spec ngram`` works under both (TP: rank
+0 sends the accepted counts to the followers' packers). ``--transport`` picks how the step and
+the agreement travel (:mod:`zos.serving.dist_transport`; default: shared memory on one host).
+Rank 0 prints the table and writes ``report.json`` under ``--out``: per backend the tokens,
+tokens/s (all ranks' tokens over the slowest rank's wall time), decode steps, metadata us per
+decode step (median), the cost of the per-step coordination (TP: the step broadcast; DP: the
+padded-size agreement), host us, and the transport it ran on.
 """
 from __future__ import annotations
 
@@ -78,13 +81,13 @@ def _run(model, s, backend, device, reqs, tp, ctx):
     dist.barrier(group=ctx.cpu_group)
     t0 = time.perf_counter()
     if tp > 1:
-        result, extra = tp_generate(engine, reqs, ctx)
+        result, extra = tp_generate(engine, reqs, ctx, transport=s["transport"])
         outputs = result.outputs if result is not None else {}
         coll = extra.broadcast_us if ctx.rank == 0 else []
-        dummy = 0
+        dummy, kind = 0, extra.channel.kind if ctx.rank == 0 else None
     else:
-        outputs, stats = dp_generate(engine, reqs, ctx)
-        coll, dummy = stats.agree_us, sum(stats.dummy)
+        outputs, stats = dp_generate(engine, reqs, ctx, transport=s["transport"])
+        coll, dummy, kind = stats.agree_us, sum(stats.dummy), engine.runner.agreement.kind
     if device.type == "cuda":
         torch.cuda.synchronize()
     wall = time.perf_counter() - t0
@@ -94,7 +97,7 @@ def _run(model, s, backend, device, reqs, tp, ctx):
                 dummy_steps=dummy, graphs=engine.graphs_captured,
                 metadata_us=statistics.median([r.metadata_us for r in dec]) if dec else None,
                 collective_us=statistics.median(coll) if coll else None,
-                collective_calls=len(coll))
+                collective_calls=len(coll), transport=kind)
 
 
 def rank_main(args) -> dict | None:
@@ -106,6 +109,7 @@ def rank_main(args) -> dict | None:
                          f"has {ctx.world_size}")
     cuda = ctx.device.type == "cuda"
     s = demo.resolve_settings(args, cuda)
+    s["transport"] = getattr(args, "transport", "auto")
     model, tokenizer, info = _model(s, tp, ctx)
     slice_ = ztrace.trace_slice(s["trace"], s["start"], s["num_requests"], s["scale"],
                                 max_prompt=s["max_prompt"], max_output=s["max_output"])
@@ -147,7 +151,8 @@ def _report(s, info, source, tp, dp, gathered, ctx, out) -> dict:
                         decode_steps=[x["decode_steps"] for x in rows],
                         dummy_steps=[x["dummy_steps"] for x in rows],
                         metadata_us=[x["metadata_us"] for x in rows],
-                        collective_us=[x["collective_us"] for x in rows], graphs=rows[0]["graphs"])
+                        collective_us=[x["collective_us"] for x in rows], graphs=rows[0]["graphs"],
+                        transport=rows[0]["transport"])
     mode = f"tp{tp}" if tp > 1 else f"dp{dp}"
     name = torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else "cpu"
     report = dict(mode=mode, device=str(ctx.device.type), device_name=name,
@@ -156,8 +161,10 @@ def _report(s, info, source, tp, dp, gathered, ctx, out) -> dict:
                   prompt_source=source, settings={k: v for k, v in s.items()},
                   identical=mismatch is None, mismatch=mismatch, backends=table)
     coll = "step broadcast" if tp > 1 else "padded-size agreement"
+    spec = f", spec {s['spec']} k={s['num_draft_tokens']}" if s.get("spec") else ""
     print(f"zos demo --{mode[:2]} {mode[2:]} on {ctx.device.type} ({ctx.backend}): "
-          f"{info['model']}, {len(gathered)} ranks, {s['num_requests']} requests")
+          f"{info['model']}, {len(gathered)} ranks, {s['num_requests']} requests{spec}, "
+          f"{coll} over {table['zos']['transport']}")
     print(f"{'backend':<8} {'tokens':>7} {'tokens/s':>9} {'decode steps/rank':>18} "
           f"{'dummy':>7} {'metadata us':>14}  {coll} us per step (median, per rank)")
     for b, t in table.items():
@@ -188,13 +195,9 @@ def run_dist_demo(args) -> dict:
     """``zos demo --tp P`` / ``--dp P``: under torchrun (WORLD_SIZE set) this process is one
     rank; otherwise spawn P ranks here. Returns rank 0's report (other torchrun ranks: a dict
     with ``identical`` True, so only rank 0 decides the exit status). ValueError: both
-    ``--tp`` and ``--dp`` above 1, ``--tp`` with ``--spec`` (see :func:`tp_generate`), or
-    ``--out`` not writable."""
+    ``--tp`` and ``--dp`` above 1, or ``--out`` not writable."""
     if args.tp > 1 and args.dp > 1:
         raise ValueError(f"--tp {args.tp} --dp {args.dp}: one kind of parallelism at a time")
-    if args.tp > 1 and getattr(args, "spec", None) is not None:
-        raise ValueError(f"--tp {args.tp} --spec {args.spec}: speculative decoding under tensor "
-                         "parallelism is not supported (use --dp, or one process)")
     demo.check_out_dir(args.out)
     world = args.tp * args.dp
     if "WORLD_SIZE" in os.environ:
