@@ -13,19 +13,61 @@ host is K steps ahead of the device.
 On CUDA the records live in pinned host memory mapped into the device's address space
 (``zos._C.MappedRing``: cuMemHostAlloc with DEVICEMAP, the device address from
 cuMemHostGetDevicePointer) and the fences are CUDA events, both driven from C++. Triton
-takes the records as a :class:`MappedPointer` (an object with ``data_ptr()`` and
-``dtype``, which Triton's launcher accepts as a pointer argument; it resolves the address
-with cuPointerGetAttribute, which accepts a mapped host address). Without CUDA the records
+gets the records as a CPU torch tensor over that memory: Triton's CUDA launcher turns every
+pointer argument into a device address with cuPointerGetAttribute(DEVICE_POINTER), which
+resolves a mapped host address (triton/backends/nvidia/driver.c, ``extractPointer``). A
+one-word probe kernel checks this when the ring is built; if the launcher refuses the
+tensor, the ring falls back to a :class:`MappedPointer` (an object with ``data_ptr()``
+returning the device address and ``dtype``, which Triton also accepts). Without CUDA the records
 are a plain CPU tensor, which the interpreted kernels read directly, and the fences are
 :class:`ImmediateFences`: complete at once, with the same acquire/commit logic as the
 native ring, so tests can replace ``query`` and ``wait`` to hold steps in flight.
 """
 from __future__ import annotations
 
+import zos._interpret  # noqa: F401  (sets TRITON_INTERPRET before triton is imported)
+
 import numpy as np
 import torch
+import triton
+import triton.language as tl
 
 from zos import staging
+
+
+@triton.jit
+def _probe_kernel(ring_ptr, out_ptr):
+    tl.store(out_ptr, tl.load(ring_ptr))
+
+
+def _mapped_view(ring, device: torch.device):
+    """The pointer argument the prep kernels get for a native ``MappedRing`` (module
+    docstring): a CPU tensor over the mapped memory if Triton's launcher accepts it and the
+    kernel reads the host's word through it, else a :class:`MappedPointer`.
+
+    Raises:
+        RuntimeError: neither reads the word the host wrote.
+    """
+    slots = ring.array()
+    out = torch.zeros(1, dtype=torch.int32, device=device)
+    errors = []
+    for view in (torch.from_numpy(slots).view(-1), MappedPointer(ring.device_ptr)):
+        slots[0, 0] = canary = 0x5A5A1234
+        try:
+            out.zero_()
+            _probe_kernel[(1,)](view, out)
+            torch.cuda.synchronize(device)
+            got = int(out.item())
+        except (TypeError, ValueError, RuntimeError) as e:  # the launcher refused it
+            errors.append(f"{type(view).__name__}: {e}")
+            continue
+        finally:
+            slots[0, 0] = 0
+        if got == canary:
+            return view
+        errors.append(f"{type(view).__name__}: read {got:#x}, not {canary:#x}")
+    raise RuntimeError("the prep kernels cannot read the mapped staging ring ("
+                       + "; ".join(errors) + "); use staging='copy'")
 
 
 class MappedPointer:
@@ -112,8 +154,9 @@ class StagingRing:
     Attributes:
         slots: int32 numpy [num_slots, slot_words], the host's view (the packer writes a
             slot's row).
-        device_view: what the kernels get as the ring's pointer: a :class:`MappedPointer`
-            on CUDA, the CPU tensor otherwise.
+        device_view: what the kernels get as the ring's pointer: on CUDA a CPU tensor over
+            the mapped memory or a :class:`MappedPointer` (module docstring), the CPU
+            tensor otherwise.
         fences: the native ring (CUDA) or :class:`ImmediateFences`.
 
     Raises:
@@ -132,8 +175,8 @@ class StagingRing:
             with torch.cuda.device(device):
                 torch.cuda.init()  # a current context for the driver calls
                 self.fences = MappedRing(num_slots, slot_words)
+                self.device_view = _mapped_view(self.fences, device)
             self.slots = self.fences.array()
-            self.device_view = MappedPointer(self.fences.device_ptr)
         else:
             self._records = torch.zeros((num_slots, slot_words), dtype=torch.int32)
             self.slots = self._records.numpy()
