@@ -69,39 +69,76 @@ int64_t compute_remap(const py::handle& prev_obj, const py::handle& curr_obj,
                        static_cast<int32_t*>(out.mutable_data()));
 }
 
+// The arrays of one DecodeStep, checked (dtype, 1-D, contiguous, matching lengths).
+struct CheckedStep {
+  py::array ids, rows, toks, pos, indptr, blks, arows, ablks;
+  zos::StepInput input() const {
+    return zos::StepInput{ptr<int64_t>(ids),   ids.size(),          ptr<int32_t>(rows),
+                          ptr<int32_t>(toks),  ptr<int32_t>(pos),   ptr<int32_t>(indptr),
+                          ptr<int32_t>(blks),  rows.size(),         blks.size(),
+                          ptr<int32_t>(arows), ptr<int32_t>(ablks), arows.size()};
+  }
+};
+
+CheckedStep check_step(const py::handle& req_ids, const py::handle& new_rows,
+                       const py::handle& new_tokens, const py::handle& new_positions,
+                       const py::handle& new_block_indptr, const py::handle& new_block_ids,
+                       const py::handle& append_rows, const py::handle& append_block_ids) {
+  CheckedStep c{checked<int64_t>(req_ids, "req_ids"),
+                checked<int32_t>(new_rows, "new_rows"),
+                checked<int32_t>(new_tokens, "new_tokens"),
+                checked<int32_t>(new_positions, "new_positions"),
+                checked<int32_t>(new_block_indptr, "new_block_indptr"),
+                checked<int32_t>(new_block_ids, "new_block_ids"),
+                checked<int32_t>(append_rows, "append_rows"),
+                checked<int32_t>(append_block_ids, "append_block_ids")};
+  const auto m = c.rows.size();
+  if (c.toks.size() != m || c.pos.size() != m)
+    throw py::value_error("new_tokens and new_positions must have len(new_rows) = " +
+                          std::to_string(m) + " elements, got " + std::to_string(c.toks.size()) +
+                          " and " + std::to_string(c.pos.size()));
+  if (c.indptr.size() != m + 1)
+    throw py::value_error("new_block_indptr must have len(new_rows) + 1 = " +
+                          std::to_string(m + 1) + " elements, got " +
+                          std::to_string(c.indptr.size()));
+  if (c.ablks.size() != c.arows.size())
+    throw py::value_error("append_block_ids must have len(append_rows) = " +
+                          std::to_string(c.arows.size()) + " elements, got " +
+                          std::to_string(c.ablks.size()));
+  return c;
+}
+
 int64_t pack(zos::StepPacker& self, const py::handle& req_ids, const py::handle& new_rows,
              const py::handle& new_tokens, const py::handle& new_positions,
              const py::handle& new_block_indptr, const py::handle& new_block_ids,
              const py::handle& append_rows, const py::handle& append_block_ids,
              const py::handle& out_obj, int32_t seq) {
-  auto ids = checked<int64_t>(req_ids, "req_ids");
-  auto rows = checked<int32_t>(new_rows, "new_rows");
-  auto toks = checked<int32_t>(new_tokens, "new_tokens");
-  auto pos = checked<int32_t>(new_positions, "new_positions");
-  auto indptr = checked<int32_t>(new_block_indptr, "new_block_indptr");
-  auto blks = checked<int32_t>(new_block_ids, "new_block_ids");
-  auto arows = checked<int32_t>(append_rows, "append_rows");
-  auto ablks = checked<int32_t>(append_block_ids, "append_block_ids");
+  const CheckedStep c = check_step(req_ids, new_rows, new_tokens, new_positions,
+                                   new_block_indptr, new_block_ids, append_rows,
+                                   append_block_ids);
   auto out = checked<int32_t>(out_obj, "out", true);
-  const auto m = rows.size();
-  if (toks.size() != m || pos.size() != m)
-    throw py::value_error("new_tokens and new_positions must have len(new_rows) = " +
-                          std::to_string(m) + " elements, got " + std::to_string(toks.size()) +
-                          " and " + std::to_string(pos.size()));
-  if (indptr.size() != m + 1)
-    throw py::value_error("new_block_indptr must have len(new_rows) + 1 = " +
-                          std::to_string(m + 1) + " elements, got " +
-                          std::to_string(indptr.size()));
-  if (ablks.size() != arows.size())
-    throw py::value_error("append_block_ids must have len(append_rows) = " +
-                          std::to_string(arows.size()) + " elements, got " +
-                          std::to_string(ablks.size()));
-  zos::StepInput in{ptr<int64_t>(ids),    ids.size(),          ptr<int32_t>(rows),
-                    ptr<int32_t>(toks),   ptr<int32_t>(pos),   ptr<int32_t>(indptr),
-                    ptr<int32_t>(blks),   m,                   blks.size(),
-                    ptr<int32_t>(arows),  ptr<int32_t>(ablks), arows.size()};
+  const zos::StepInput in = c.input();
   py::gil_scoped_release release;
   return self.pack(in, static_cast<int32_t*>(out.mutable_data()), out.size(), seq);
+}
+
+// One call per step on the mapped path: acquire the next ring slot (fences), pack into
+// it, commit it. On a throw from the packer the slot is not committed.
+int64_t stage_into_ring(zos::StepPacker& self, zos::MappedRing& ring, uint64_t stream,
+                        int32_t seq, const py::handle& req_ids, const py::handle& new_rows,
+                        const py::handle& new_tokens, const py::handle& new_positions,
+                        const py::handle& new_block_indptr, const py::handle& new_block_ids,
+                        const py::handle& append_rows, const py::handle& append_block_ids) {
+  const CheckedStep c = check_step(req_ids, new_rows, new_tokens, new_positions,
+                                   new_block_indptr, new_block_ids, append_rows,
+                                   append_block_ids);
+  const zos::StepInput in = c.input();
+  py::gil_scoped_release release;
+  const int slot = ring.acquire(stream);
+  int32_t* out = reinterpret_cast<int32_t*>(ring.host_ptr()) + slot * ring.slot_words();
+  const int64_t words = self.pack(in, out, ring.slot_words(), seq);
+  ring.commit();
+  return words;
 }
 
 void apply_accepted(zos::StepPacker& self, const py::handle& accepted, int64_t steps_ago) {
@@ -178,6 +215,15 @@ advances by q and their blocks carry over. Raises ValueError on any inconsistenc
 when null_block is 0 and 0 otherwise, a position
 not covered by the row's blocks, beyond max_num_blocks_per_req * block_size, more than
 max_num_reqs rows, record larger than ``out``); TypeError on wrong dtypes.)doc")
+      .def("stage_into_ring", &stage_into_ring, py::arg("ring"), py::arg("stream"),
+           py::arg("seq"), py::arg("req_ids"), py::arg("new_rows"), py::arg("new_tokens"),
+           py::arg("new_positions"), py::arg("new_block_indptr"), py::arg("new_block_ids"),
+           py::arg("append_rows"), py::arg("append_block_ids"),
+           R"doc(``pack`` into the next slot of a :class:`MappedRing`, in one call (no GIL).
+
+``ring.acquire(stream)`` (the slot staged last gets its fence on ``stream``; wait for the
+next slot's fence), ``pack`` into that slot with ``seq``, ``ring.commit()``; returns the
+record's words. Raises as ``pack`` (the slot is then neither written nor committed).)doc")
       .def("apply_accepted", &apply_accepted, py::arg("accepted"), py::arg("steps_ago"),
            R"doc(Exact accepted counts of an earlier step (speculative decoding, q > 1).
 

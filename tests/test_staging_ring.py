@@ -302,3 +302,37 @@ def test_ring_arguments():
         make("zero-copy")
     with pytest.raises(ValueError, match="num_slots must be a positive int"):
         StagingRing(0, 8, torch.device("cpu"))
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the native ring maps memory through CUDA")
+def test_native_ring_stage_into_ring():
+    """``StepPacker.stage_into_ring`` writes the record ``pack`` writes into slot n mod K with
+    its SEQ; a refused step neither writes nor commits a slot; the fences wait only when the
+    host is K steps ahead of a stalled stream."""
+    from zos._C import MappedRing
+    from zos.serving.profiling import gpu_busy
+
+    ring, ref = MappedRing(2, 256), packer()
+    p, out = packer(), np.zeros(256, np.int32)
+    slots = ring.array()
+    stream = torch.cuda.current_stream().cuda_stream
+    steps = [DecodeStep.build([5, 6], {0: (1, 3, [7]), 1: (2, 0, [8])}),
+             DecodeStep.build([6, 5]), DecodeStep.build([6, 5], appends=[(1, 9)])]
+    elapsed = torch.zeros(1, dtype=torch.int64, device="cuda")
+    gpu_busy(200_000, elapsed)  # 0.2 s: the fences recorded below stay pending
+    for n, step in enumerate(steps):
+        words = p.stage_into_ring(ring, stream, n + 1, *(
+            getattr(step, f) for f in ("req_ids", "new_rows", "new_tokens", "new_positions",
+                                       "new_block_indptr", "new_block_ids", "append_rows",
+                                       "append_block_ids")))
+        assert words == pack(ref, step, out)
+        out[staging.SEQ] = n + 1
+        assert slots[n % 2, :words].tolist() == out[:words].tolist()
+        if n == 0:
+            before = slots.copy()
+            with pytest.raises(ValueError, match="appears twice"):
+                p.stage_into_ring(ring, stream, 9, np.array([5, 5], np.int64), *(
+                    np.zeros(k, np.int32) for k in (0, 0, 0, 1, 0, 0, 0)))
+            assert (slots == before).all()
+    assert ring.waits == 1  # the third step's slot was read by the stalled first step
+    ring.synchronize()

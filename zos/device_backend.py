@@ -109,9 +109,11 @@ class DeviceMetadataBackend(MetadataBackend):
         self._discard = np.zeros(words, np.int32)  # records no build reads (padded size 0)
         self._seq = 0  # SEQ of the last record staged for a build
         self._prep = PrepState(buffers)
-        self._upload = self._ring = None
+        self._upload = self._ring = self._native_ring = None
         if staging == "mapped":
             self._ring = StagingRing(ring_slots, words, buffers.device)
+            if cuda:
+                self._native_ring = self._ring.fences  # zos._C.MappedRing
             self._prep_args = dict(ring=self._ring.device_view, num_slots=ring_slots,
                                    slot_words=words, state=self._prep)
         else:
@@ -191,7 +193,10 @@ class DeviceMetadataBackend(MetadataBackend):
         seq = (self._seq + 1) & SEQ_MASK
         ring, up = self._ring, self._upload
         try:
-            if ring is not None:
+            if self._native_ring is not None:  # fences, pack and commit in one native call
+                words = self.packer.stage_into_ring(self._native_ring, self._stream_handle, seq,
+                                                    *args)
+            elif ring is not None:
                 words = self.packer.pack(*args, ring.acquire(self._stream_handle), seq)
                 ring.commit()
             else:
