@@ -115,7 +115,12 @@ def main(argv=None):
                     help="GPU busy time + synchronize after each timed step (a model step "
                          "stand-in: the host then prepares from idle, as in a synchronous engine)")
     ap.add_argument("--out", default=None, help="folder for the JSON (default: print only)")
+    ap.add_argument("--variants", default=",".join(VARIANTS),
+                    help=f"backends to run, comma-separated, host first (of {VARIANTS})")
     args = ap.parse_args(argv)
+    variants = args.variants.split(",")
+    if variants[0] != "host" or not set(variants) <= set(VARIANTS):
+        ap.error(f"--variants must start with host and name only {VARIANTS}")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.gap_us and device != "cuda":
         ap.error("--gap-us needs a GPU (the busy kernel reads the GPU's %globaltimer)")
@@ -127,12 +132,12 @@ def main(argv=None):
             steps = [wl.first_step()] + [wl.next_step() for _ in range(
                 args.warmup + args.steps + args.profiled)]
             backends = {}
-            for v in VARIANTS:
+            for v in variants:
                 row, backends[v] = bench_one(v, steps, wl, device, buckets, args.warmup,
                                              args.steps, args.profiled, args.gap_us)
                 rows.append(dict(n=n, max_context=ctx, block_size=wl.bs, **row))
             ref = backends["host"].metadata(backends["host"].plan(n))
-            for v in VARIANTS[1:]:
+            for v in variants[1:]:
                 got = backends[v].metadata(backends[v].plan(n))
                 same = all(torch.equal(getattr(ref, f), getattr(got, f)) for f in FIELDS)
                 assert same, f"{v} differs from host at N={n}"

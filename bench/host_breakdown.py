@@ -14,8 +14,10 @@ DeviceMetadataBackend with prep graphs, for both ways the record reaches the pre
 - graph replay alone: ``torch.cuda.CUDAGraph.replay`` of the bucket's prep graph;
 - Python: stage less pack and fences (argument passing, plan lookup, owner check).
 
-Each part's floor is the cheapest call that does it (for the replay, a graph launch; for
-the fences, one record and one query of a CUDA event). Prints medians in microseconds and,
+Each part's floor is the cheapest call that does it, measured too: for the pack, the pack of
+an empty step (the call and its argument checks) and a memcpy of the record's words; for the
+replay, the replay of a one-kernel graph; for the fences, one record and one query of a CUDA
+event (the fences alone). Prints medians in microseconds and,
 with ``--out``, writes them as JSON. CUDA only.
 
 Usage: python bench/host_breakdown.py [--sizes 1,8,64,256,512,1024] [--out DIR]
@@ -34,7 +36,14 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from zos import BucketTable, DecodeBuffers, DeviceMetadataBackend, StepPacker, staging  # noqa: E402
+from zos import (  # noqa: E402
+    BucketTable,
+    DecodeBuffers,
+    DecodeStep,
+    DeviceMetadataBackend,
+    StepPacker,
+    staging,
+)
 from zos.staging_ring import StagingRing  # noqa: E402
 
 from workload import SteadyWorkload  # noqa: E402
@@ -51,7 +60,8 @@ def med_us(fn, reps=2000):
 
 
 def fences_once(ring, stream_handle):
-    """One step's fence work alone: fence the slot staged last, wait for the next one."""
+    """One step's fence work alone on a native ``MappedRing``: fence the slot staged last,
+    wait for the next one (as ``StepPacker.stage_into_ring`` does around the pack)."""
     ring.acquire(stream_handle)
     ring.commit()
 
@@ -87,6 +97,10 @@ def breakdown(n, mode, steps):
         t_pack.append(time.perf_counter_ns() - t0)
         visited.append(packer.rows_visited)
         words.append(w)
+    empty = DecodeStep.build([])
+    floor_packer = StepPacker(n, 1, wl_bs, wl_w, kv, 32000)
+    words_med = int(statistics.median(words[1:]))
+    src, dst = out[:words_med].copy(), np.zeros(words_med, np.int32)
     row = {
         "stage": statistics.median(t_stage) / 1e3,
         "build (graph replay)": statistics.median(t_build) / 1e3,
@@ -95,11 +109,19 @@ def breakdown(n, mode, steps):
         "rows visited by pack": statistics.median(visited[1:]),
         "record bytes": 4 * statistics.median(words[1:]),
         "graph replay alone": med_us(be._graphs[n].replay),
+        "floor: pack of an empty step (call + checks)": med_us(
+            lambda: floor_packer.pack(empty.req_ids, empty.new_rows, empty.new_tokens,
+                                      empty.new_positions, empty.new_block_indptr,
+                                      empty.new_block_ids, empty.append_rows,
+                                      empty.append_block_ids, out)),
+        "floor: memcpy of the record's words": med_us(lambda: np.copyto(dst, src)),
+        "floor: replay of a one-kernel graph": med_us(steps["tiny_graph"].replay),
     }
     handle = be.stream.cuda_stream
     if mode == "mapped":
         ring = StagingRing(4, 64, bufs.device)
-        row["ring fences alone (record + query)"] = med_us(lambda: fences_once(ring, handle))
+        row["ring fences alone (record + query)"] = med_us(lambda: fences_once(ring.fences,
+                                                                               handle))
         ring.synchronize()
         fences = row["ring fences alone (record + query)"]
     else:
@@ -122,10 +144,16 @@ def main(argv=None):
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     results = []
+    x = torch.zeros(1, device="cuda")
+    x.add_(1)  # warm-up outside the capture
+    torch.cuda.synchronize()
+    tiny_graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(tiny_graph):
+        x.add_(1)
     for n in [int(x) for x in args.sizes.split(",")]:
         wl = SteadyWorkload(n, seed=n)
         steps = dict(steps=[wl.first_step()] + [wl.next_step() for _ in range(args.steps)],
-                     w=wl.w, bs=wl.bs, num_kv_blocks=wl.num_kv_blocks)
+                     w=wl.w, bs=wl.bs, num_kv_blocks=wl.num_kv_blocks, tiny_graph=tiny_graph)
         for mode in ("mapped", "copy"):
             row = breakdown(n, mode, steps)
             results.append(dict(n=n, mode=mode, **row))

@@ -478,7 +478,7 @@ def test_stalled_ring_matches_host_built(ring_slots):
     sizes = []
     for _ in range(steps):
         step = wl.next_step()
-        gpu_busy(400, elapsed)  # the replay below waits behind ~0.4 ms of GPU work
+        gpu_busy(2000, elapsed)  # the replay below waits behind 2 ms of GPU work
         plan = dev.stage(step)
         dev.build(plan.padded_size)
         want = host.prepare(step)

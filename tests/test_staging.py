@@ -68,14 +68,14 @@ def test_capacity(r, w):
 
 def test_kernels_get_every_offset():
     """The launcher passes each offset the prep kernels read from zos.staging."""
-    common = dict(NUM_LISTED_WORD=staging.NUM_LISTED, SEQ_WORD=staging.SEQ,
-                  SEQ_MASK=staging.SEQ_MASK, HEADER_WORDS=staging.HEADER_WORDS,
+    common = dict(SEQ_MASK=staging.SEQ_MASK, HEADER_WORDS=staging.HEADER_WORDS,
                   LIST_WORDS=staging.LIST_WORDS, **kernels.RING_STATE)
-    assert kernels._SCATTER_LAYOUT == dict(common, **{f: getattr(staging, f)
-                                                      for f in LIST_FIELDS})
-    assert kernels._REBUILD_LAYOUT == dict(
+    assert kernels._SCATTER_LAYOUT == dict(
         common, NUM_REQS_WORD=staging.NUM_REQS, NUM_RECORDS_WORD=staging.NUM_RECORDS,
-        RECORD_WORDS=staging.RECORD_WORDS, IN_PLACE=kernels.IN_PLACE,
+        NUM_LISTED_WORD=staging.NUM_LISTED, SEQ_WORD=staging.SEQ,
+        **{f: getattr(staging, f) for f in LIST_FIELDS})
+    assert kernels._REBUILD_LAYOUT == dict(
+        common, RECORD_WORDS=staging.RECORD_WORDS, IN_PLACE=kernels.IN_PLACE,
         **{f: getattr(staging, f) for f in RECORD_FIELDS})
 
 
@@ -192,14 +192,14 @@ def relayout(record, to):
 
 def test_kernels_and_host_builder_follow_the_layout(monkeypatch):
     bs, w, num_kv_blocks, vocab, r = 4, 6, 400, 1000, 16
-    common = dict(NUM_LISTED_WORD=SHUFFLED["NUM_LISTED"], SEQ_WORD=SHUFFLED["SEQ"],
-                  SEQ_MASK=staging.SEQ_MASK, HEADER_WORDS=SHUFFLED["HEADER_WORDS"],
+    common = dict(SEQ_MASK=staging.SEQ_MASK, HEADER_WORDS=SHUFFLED["HEADER_WORDS"],
                   LIST_WORDS=SHUFFLED["LIST_WORDS"], **kernels.RING_STATE)
     monkeypatch.setattr(kernels, "_SCATTER_LAYOUT", dict(
-        common, **{f: SHUFFLED[f] for f in LIST_FIELDS}))
-    monkeypatch.setattr(kernels, "_REBUILD_LAYOUT", dict(
         common, NUM_REQS_WORD=SHUFFLED["NUM_REQS"], NUM_RECORDS_WORD=SHUFFLED["NUM_RECORDS"],
-        RECORD_WORDS=SHUFFLED["RECORD_WORDS"], IN_PLACE=kernels.IN_PLACE,
+        NUM_LISTED_WORD=SHUFFLED["NUM_LISTED"], SEQ_WORD=SHUFFLED["SEQ"],
+        **{f: SHUFFLED[f] for f in LIST_FIELDS}))
+    monkeypatch.setattr(kernels, "_REBUILD_LAYOUT", dict(
+        common, RECORD_WORDS=SHUFFLED["RECORD_WORDS"], IN_PLACE=kernels.IN_PLACE,
         **{f: SHUFFLED[f] for f in RECORD_FIELDS}))
     build_rows = host_backend._make_build_rows(
         *(SHUFFLED[k] for k in ("HEADER_WORDS", "RECORD_WORDS", "NUM_REQS", "NUM_RECORDS",

@@ -6,7 +6,8 @@ serves every N <= bucket. The record (layout: csrc/staging.h) lies in a ring of
 ``num_slots`` records of ``slot_words`` words at ``ring_ptr``: pinned host memory mapped
 into the device's address space (zero-copy), or the device buffer the copy path uploads
 into (one slot). Which slot a build reads is decided on the device from the ring state
-(int32 words at CTR, LAST, CUR, offsets given as constexprs by the launcher):
+(int32 words at CTR, LAST, CUR and CUR_N, CUR_M, CUR_C, CUR_SEQ, offsets given as
+constexprs by the launcher):
 ``select_slot`` takes slot CTR when its record's SEQ is the one after LAST (a record staged
 since the last build), else the slot of the last record applied (a build repeated without
 a new record, as warm-up does, applies that record again). ``rebuild_rows`` program 0
@@ -16,8 +17,9 @@ passes every one as a constexpr from zos.staging (and zos.kernels for the ring s
 Ordering (docs/ZOS.md, "The staging record"): within one launch no program reads a word
 that another program of the same launch writes. ``scatter_listed_rows`` (launch 1) reads
 the ring state, the record and the previous state of source rows; it writes only the row
-map, scratch (rows of listed entries, distinct) and CUR (program 0). ``rebuild_rows``
-(launch 2, after launch 1 on the same stream) reads CUR, the record, the row map and
+map, scratch (rows of listed entries, distinct) and, program 0, CUR and the copy of the
+record's header (CUR_N, CUR_M, CUR_C, CUR_SEQ). ``rebuild_rows`` (launch 2, after launch 1
+on the same stream) reads CUR and that header copy, the record's entries, the row map and
 scratch of its own row r, its own row's previous state and ``sampled``/``accepted``; it
 writes only row r (and resets row r's row-map entry), and program 0 the counts,
 ``query_start_loc[0]``, CTR and LAST, which no other program of launch 2 reads.
@@ -50,11 +52,13 @@ def scatter_listed_rows(ring_ptr, state_ptr, num_slots, slot_words, row_map_ptr,
                         positions_ptr, num_blocks_per_row_ptr, block_table_ptr,
                         scratch_pos_ptr, scratch_nb_ptr, scratch_bt_ptr, bt_stride,
                         Q: tl.constexpr, BLOCK_W: tl.constexpr,
+                        NUM_REQS_WORD: tl.constexpr, NUM_RECORDS_WORD: tl.constexpr,
                         NUM_LISTED_WORD: tl.constexpr, SEQ_WORD: tl.constexpr,
                         SEQ_MASK: tl.constexpr, HEADER_WORDS: tl.constexpr,
                         LIST_WORDS: tl.constexpr, L_ROW: tl.constexpr, L_SRC: tl.constexpr,
                         L_REC: tl.constexpr, CTR: tl.constexpr, LAST: tl.constexpr,
-                        CUR: tl.constexpr):
+                        CUR: tl.constexpr, CUR_N: tl.constexpr, CUR_M: tl.constexpr,
+                        CUR_C: tl.constexpr, CUR_SEQ: tl.constexpr):
     """Launch 1: program k applies listed entry k of the record (k < C).
 
     Reads the ring state (int32 [4]) and the record (int32; C at word NUM_LISTED_WORD,
@@ -63,15 +67,21 @@ def scatter_listed_rows(ring_ptr, state_ptr, num_slots, slot_words, row_map_ptr,
     (positions int32 [R*Q], num_blocks_per_row int32 [R], block_table int32 [R, bt_stride]).
     Writes row_map int32 [R, 2] at the entry's row = (src, rec), the moved row's scratch
     (scratch_pos int32 [R], scratch_nb int32 [R], scratch_bt int32 [R, bt_stride]), and
-    program 0 the ring state's CUR = the slot this build applies.
+    program 0 the ring state's CUR = the slot this build applies and CUR_N, CUR_M, CUR_C,
+    CUR_SEQ = that record's N, M, C and SEQ (device copies, so that launch 2 reads the
+    header from device memory).
     """
     k = tl.program_id(0)
     slot = select_slot(ring_ptr, state_ptr, num_slots, slot_words, SEQ_WORD, SEQ_MASK,
                        CTR, LAST)
-    if k == 0:
-        tl.store(state_ptr + CUR, slot)
     rec = ring_ptr + slot.to(tl.int64) * slot_words
     c = tl.load(rec + NUM_LISTED_WORD)
+    if k == 0:
+        tl.store(state_ptr + CUR, slot)
+        tl.store(state_ptr + CUR_N, tl.load(rec + NUM_REQS_WORD))
+        tl.store(state_ptr + CUR_M, tl.load(rec + NUM_RECORDS_WORD))
+        tl.store(state_ptr + CUR_C, c)
+        tl.store(state_ptr + CUR_SEQ, tl.load(rec + SEQ_WORD))
     if k < c:
         entry = rec + HEADER_WORDS + LIST_WORDS * k
         row = tl.load(entry + L_ROW)
@@ -98,19 +108,19 @@ def rebuild_rows(ring_ptr, state_ptr, num_slots, slot_words, row_map_ptr,
                  scratch_pos_ptr, scratch_nb_ptr, scratch_bt_ptr,
                  bt_stride, block_size, pad_token_id, seq_len_fill, pad_slot_id, null_block,
                  Q: tl.constexpr, Q_POW2: tl.constexpr, BLOCK_W: tl.constexpr,
-                 NUM_REQS_WORD: tl.constexpr, NUM_RECORDS_WORD: tl.constexpr,
-                 NUM_LISTED_WORD: tl.constexpr, SEQ_WORD: tl.constexpr,
                  SEQ_MASK: tl.constexpr, HEADER_WORDS: tl.constexpr,
                  LIST_WORDS: tl.constexpr, RECORD_WORDS: tl.constexpr,
                  R_TOKEN: tl.constexpr, R_POS0: tl.constexpr, R_COL0: tl.constexpr,
                  R_COUNT: tl.constexpr, R_BLK_OFF: tl.constexpr,
                  CTR: tl.constexpr, LAST: tl.constexpr, CUR: tl.constexpr,
-                 IN_PLACE: tl.constexpr):
+                 CUR_N: tl.constexpr, CUR_M: tl.constexpr, CUR_C: tl.constexpr,
+                 CUR_SEQ: tl.constexpr, IN_PLACE: tl.constexpr):
     """Launch 2: rebuild request row r (one program per row of the padded step) in place.
 
-    Reads the ring state's CUR (the slot launch 1 chose) and that record (offsets as
-    constexprs: see the module docstring), row r's row-map entry (IN_PLACE, -1 unless
-    launch 1 wrote it: then (src, rec)) and resets it, sampled int32 [R] and accepted
+    Reads the ring state's CUR (the slot launch 1 chose) and CUR_N, CUR_M, CUR_C, CUR_SEQ
+    (that record's header, copied by launch 1), the record's listed rows' records and block
+    ids (offsets as constexprs: see the module docstring), row r's row-map entry (IN_PLACE,
+    -1 unless launch 1 wrote it: then (src, rec)) and resets it, sampled int32 [R] and accepted
     int32 [R] (the previous step's, indexed by its rows), the scratch of launch 1, and row
     r's own previous state. Writes input_ids int32 [R*Q] (token row r*Q), positions int32
     [R*Q], slot_mapping int64 [R*Q] (block * block_size + offset), seq_lens int32 [R],
@@ -126,9 +136,9 @@ def rebuild_rows(ring_ptr, state_ptr, num_slots, slot_words, row_map_ptr,
     r64 = r.to(tl.int64)
     ring_slot = tl.load(state_ptr + CUR)
     record = ring_ptr + ring_slot.to(tl.int64) * slot_words
-    n = tl.load(record + NUM_REQS_WORD)
-    num_records = tl.load(record + NUM_RECORDS_WORD)
-    num_listed = tl.load(record + NUM_LISTED_WORD)
+    n = tl.load(state_ptr + CUR_N)
+    num_records = tl.load(state_ptr + CUR_M)
+    num_listed = tl.load(state_ptr + CUR_C)
     t = tl.arange(0, Q_POW2)
     tmask = t < Q
     tok_rows = r64 * Q + t
@@ -140,7 +150,7 @@ def rebuild_rows(ring_ptr, state_ptr, num_slots, slot_words, row_map_ptr,
         tl.store(qsl_ptr, 0)
         tl.store(counts_ptr, n)
         tl.store(counts_ptr + 1, n * Q)
-        seq = tl.load(record + SEQ_WORD)
+        seq = tl.load(state_ptr + CUR_SEQ)
         if seq == ((tl.load(state_ptr + LAST) + 1) & SEQ_MASK):  # a new record: consumed
             tl.store(state_ptr + LAST, seq)
             tl.store(state_ptr + CTR, (ring_slot + 1) % num_slots)

@@ -14,21 +14,21 @@ from zos.triton_kernels.prep import rebuild_rows, scatter_listed_rows
 
 # The ring state the prep kernels keep on the device, int32 words: CTR, the slot the next
 # new record lies in; LAST, the SEQ of the last record applied; CUR, the slot the running
-# build applies (written by launch 1, read by launch 2). RING_STATE_WORDS words in all.
-RING_STATE = dict(CTR=0, LAST=1, CUR=2)
-RING_STATE_WORDS = 4
+# build applies, and CUR_N, CUR_M, CUR_C, CUR_SEQ, its record's N, M, C and SEQ (written by
+# launch 1, read by launch 2 from device memory). RING_STATE_WORDS words in all.
+RING_STATE = dict(CTR=0, LAST=1, CUR=2, CUR_N=3, CUR_M=4, CUR_C=5, CUR_SEQ=6)
+RING_STATE_WORDS = 8
 # A row-map entry (src, rec) that launch 1 did not write: the row holds its request in place.
 IN_PLACE = -2
 
 # Every staging offset the kernels read, as constexprs (csrc/staging.h through zos.staging).
 _SCATTER_LAYOUT = dict(
+    NUM_REQS_WORD=staging.NUM_REQS, NUM_RECORDS_WORD=staging.NUM_RECORDS,
     NUM_LISTED_WORD=staging.NUM_LISTED, SEQ_WORD=staging.SEQ, SEQ_MASK=staging.SEQ_MASK,
     HEADER_WORDS=staging.HEADER_WORDS, LIST_WORDS=staging.LIST_WORDS, L_ROW=staging.L_ROW,
     L_SRC=staging.L_SRC, L_REC=staging.L_REC, **RING_STATE)
 _REBUILD_LAYOUT = dict(
-    NUM_REQS_WORD=staging.NUM_REQS, NUM_RECORDS_WORD=staging.NUM_RECORDS,
-    NUM_LISTED_WORD=staging.NUM_LISTED, SEQ_WORD=staging.SEQ, SEQ_MASK=staging.SEQ_MASK,
-    HEADER_WORDS=staging.HEADER_WORDS, LIST_WORDS=staging.LIST_WORDS,
+    SEQ_MASK=staging.SEQ_MASK, HEADER_WORDS=staging.HEADER_WORDS, LIST_WORDS=staging.LIST_WORDS,
     RECORD_WORDS=staging.RECORD_WORDS, R_TOKEN=staging.R_TOKEN, R_POS0=staging.R_POS0,
     R_COL0=staging.R_COL0, R_COUNT=staging.R_COUNT, R_BLK_OFF=staging.R_BLK_OFF,
     IN_PLACE=IN_PLACE, **RING_STATE)
@@ -39,8 +39,9 @@ class PrepState:
     row map.
 
     Attributes:
-        state: int32 [RING_STATE_WORDS] on the buffers' device (CTR, LAST, CUR: see
-            ``RING_STATE``), zeros: the first new record has SEQ 1 and lies in slot 0.
+        state: int32 [RING_STATE_WORDS] on the buffers' device (CTR, LAST, CUR and the
+            header copy: see ``RING_STATE``), zeros: the first new record has SEQ 1 and lies
+            in slot 0.
         row_map: int32 [max_num_reqs, 2] on the buffers' device: (src, rec) of the rows the
             running build lists, (IN_PLACE, -1) for every row between builds (launch 1
             writes the listed rows' entries, launch 2 reads and resets them).
