@@ -177,8 +177,9 @@ def test_rewritten_rows_move_their_deadlines():
         pack(p, DecodeStep.build([7, 8], {0: (11, 3, [5]), 1: (12, 2, [6])}))
         # Request 8 (position 3) grows ahead to [6, 9, 10]: no append at positions 4..11.
         pack(p, DecodeStep.build([7, 8], appends=[(0, 21)], rewrites={1: [6, 9, 10]}))
-        for pos7 in range(5, 8):  # request 7 at position pos7, request 8 at pos7 - 1
-            pack(p, DecodeStep.build([7, 8]))
+        for _ in range(3):  # request 8 at positions 4..6: nothing listed
+            view, _ = pack(p, DecodeStep.build([7, 8]))
+            assert len(view.listed) == (2 if dense else 0) and p.rows_visited == 0
         pack(p, DecodeStep.build([7, 8], appends=[(0, 22)]))  # 7 at 8, 8 at 7: no append
         # Request 8 (position 8) shrinks to [6, 9, 30] -> still 3 blocks; then to 2 blocks at
         # a position they cover is refused.
