@@ -312,12 +312,14 @@ def test_native_ring_stage_into_ring():
     from zos._C import MappedRing
     from zos.serving.profiling import gpu_busy
 
-    ring, ref = MappedRing(2, 256), packer()
+    ring, ref = MappedRing(2, 256, torch.cuda.current_device()), packer()
     p, out = packer(), np.zeros(256, np.int32)
     slots = ring.array()
     stream = torch.cuda.current_stream().cuda_stream
+    # Request 5 is at position 3 (block [7], 4 tokens per block): it moves to row 1 at
+    # position 4 in the second step, which opens block column 1, so that step appends.
     steps = [DecodeStep.build([5, 6], {0: (1, 3, [7]), 1: (2, 0, [8])}),
-             DecodeStep.build([6, 5]), DecodeStep.build([6, 5], appends=[(1, 9)])]
+             DecodeStep.build([6, 5], appends=[(1, 9)]), DecodeStep.build([6, 5])]
     elapsed = torch.zeros(1, dtype=torch.int64, device="cuda")
     gpu_busy(200_000, elapsed)  # 0.2 s: the fences recorded below stay pending
     for n, step in enumerate(steps):
