@@ -62,6 +62,37 @@ def make_backend(variant, wl, device, policy):
                                  **kw)
 
 
+def describe_diff(ref, got):
+    """'' if every field of the two StepMetadata is equal, else each differing field with
+    its first differing index and both values."""
+    out = []
+    for f in FIELDS:
+        a, b = getattr(ref, f), getattr(got, f)
+        if a.shape != b.shape:
+            out.append(f"{f}: shape {tuple(a.shape)} vs {tuple(b.shape)}")
+        elif not torch.equal(a, b):
+            bad = (a != b).nonzero()
+            i = tuple(bad[0].tolist())
+            out.append(f"{f}: {len(bad)} entries differ, first at {i}: host {a[i].item()} "
+                       f"vs {b[i].item()}")
+    return "; ".join(out)
+
+
+def lockstep(variant, steps, wl, device, policy):
+    """Run ``variant`` and a host backend step by step, synchronizing and comparing after
+    each (the host never runs ahead of the device); the first step that differs, or
+    'no step differs' (a difference seen only in the timed run then needs the host ahead)."""
+    host = make_backend("host", wl, device, policy)
+    other = make_backend(variant, wl, device, policy)
+    for i, s in enumerate(steps):
+        ref, got = host.prepare(s), other.prepare(s)
+        sync(device)
+        diff = describe_diff(ref, got)
+        if diff:
+            return f"step {i} (N={s.num_reqs}) first differs: {diff}"
+    return "no step differs"
+
+
 def sync(device):
     """Wait for the device (no-op on the CPU)."""
     if device == "cuda":
@@ -114,6 +145,10 @@ def main(argv=None):
     ap.add_argument("--gap-us", type=int, default=0,
                     help="GPU busy time + synchronize after each timed step (a model step "
                          "stand-in: the host then prepares from idle, as in a synchronous engine)")
+    ap.add_argument("--check-steps", action="store_true",
+                    help="on a mismatch, rerun that backend in lockstep with a host backend "
+                         "(synchronize and compare after every step) and name the first "
+                         "step and field that differ")
     ap.add_argument("--out", default=None, help="folder for the JSON (default: print only)")
     ap.add_argument("--variants", default=",".join(VARIANTS),
                     help=f"backends to run, comma-separated, host first (of {VARIANTS})")
@@ -125,7 +160,7 @@ def main(argv=None):
     if args.gap_us and device != "cuda":
         ap.error("--gap-us needs a GPU (the busy kernel reads the GPU's %globaltimer)")
     buckets = vllm_policy(1024)
-    rows = []
+    rows, failures = [], []
     for ctx in [int(c) for c in args.contexts.split(",")]:
         for n in [int(x) for x in args.sizes.split(",")]:
             wl = SteadyWorkload(n, max_context=ctx, seed=n)
@@ -138,10 +173,14 @@ def main(argv=None):
                 rows.append(dict(n=n, max_context=ctx, block_size=wl.bs, **row))
             ref = backends["host"].metadata(backends["host"].plan(n))
             for v in variants[1:]:
-                got = backends[v].metadata(backends[v].plan(n))
-                same = all(torch.equal(getattr(ref, f), getattr(got, f)) for f in FIELDS)
-                assert same, f"{v} differs from host at N={n}"
+                diff = describe_diff(ref, backends[v].metadata(backends[v].plan(n)))
+                if diff:
+                    failures.append(f"{v} differs from host at N={n} after the last step: "
+                                    f"{diff}")
+                    if args.check_steps:  # which step first differs, host and v in lockstep
+                        failures.append(f"  lockstep: {lockstep(v, steps, wl, device, buckets)}")
             del backends
+    assert not failures, "\n".join(failures)
     print_table(rows)
     if args.out:
         name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
