@@ -3,7 +3,8 @@
 SmolLM2-135M's shape with random weights (bf16 by default) on one GPU, transformers 5.17.0,
 ``generate_batch`` of N requests (default 16, 64, 256; prompts of ``--prompt-len`` +-25% random
 tokens, ``--new-tokens`` greedy tokens each, no eos) on a persistent manager: per N and mode a
-warm-up run (graph captures, Triton compiles), then ``--repeats`` timed runs, modes interleaved.
+warm-up run (graph captures, Triton compiles), then ``--repeats`` timed runs and one profiled
+run, mode after mode on the same inputs.
 Modes (``--modes``):
 
 * ``tf_best``: transformers with ``use_cuda_graph=True`` and ``use_async_batching=True`` (the
@@ -11,15 +12,19 @@ Modes (``--modes``):
 * ``tf_eager``: transformers with graphs and async off (its default for sdpa);
 * ``zos``: ``enable_zos`` with no options (its fastest mode: transformers' graphs and async on,
   zos's decode steps one graph replay per vLLM bucket);
-* ``zos_sync``: zos with graphs on, async off.
+* ``zos_sync``: zos with graphs on, async off;
+* ``zos_dg``: zos with async on and transformers' graphs on the decode path only (its prefill
+  eager, as transformers' own default for sdpa).
 
 Per mode: tokens/s (generated tokens / wall time of the run, prefill included; the best and
 the median of the repeats); per decode-only loop iteration (medians): wall time (TPOT), the host
 time of transformers' three phases (``prepare_next_batch``, ``_generation_step``,
 ``update_batch``; under async ``update_batch`` includes its wait for the step in flight) and of
 ``prepare_batch_tensors`` alone (the metadata); H2D bytes / copies and GPU busy time of a whole
-decode iteration from ``torch.profiler`` (``--profile-steps`` iterations in the middle of the
-first timed run); the first decode iteration after a prefill (zos stages every row as new);
+decode iteration from ``torch.profiler`` (``--profile-steps`` decode iterations of a separate
+run, after ``--new-tokens // 4`` of them), and the host-link bytes (H2D plus zos's record,
+which its prep kernels read from mapped host memory); the first decode iteration after a
+prefill (zos stages every row as new);
 the wall time ``generate_batch`` spends outside its batches (manager start and stop: its
 ``stop`` runs ``gc.collect()``, the same for every mode) and tokens/s over the batches alone
 (first batch's start to last batch's end, what a long-lived manager sees).
@@ -53,6 +58,7 @@ MODES = {  # name: (zos, use_cuda_graph, use_async_batching); None: zos's choice
     "tf_eager": (False, False, False),
     "zos": (True, None, None),
     "zos_sync": (True, True, False),
+    "zos_dg": (True, (False, True), True),  # zos with decode graphs only (prefill eager), async
 }
 
 
@@ -87,7 +93,9 @@ def _med(xs):
 class LoopRecorder:
     """Wraps transformers' batch processor phases and the IOs' ``prepare_batch_tensors`` (all
     restored by ``close``): per loop iteration, the host time of each phase and whether the
-    batch was decode-only; ``profile`` iterations run under ``torch.profiler``."""
+    batch was decode-only. With ``profile_steps`` > 0, that many iterations, from the one after
+    ``profile_from`` decode-only iterations on, run under ``torch.profiler`` (kept with their
+    decode flag: only decode-only ones are summarised)."""
 
     PHASES = ("prepare_next_batch", "_generation_step", "update_batch")
 
@@ -99,6 +107,7 @@ class LoopRecorder:
         self.profiled = []
         self.profile_errors = []
         self.loop_span = [None, None]  # perf_counter at the first batch's start, last's end
+        self.decode_seen = 0
         rec = self
         cur = {}
 
@@ -121,15 +130,16 @@ class LoopRecorder:
 
         def loop_body(manager, bp, bootstrapping):
             cur.clear()
-            k = len(rec.iters)
+            profile = (profile_steps and rec.decode_seen >= profile_from
+                       and len(rec.profiled) < profile_steps)
             t0 = time.perf_counter()
-            if profile_from <= k < profile_from + profile_steps:
+            if profile:
                 out = []
                 try:
-                    rec.profiled.append(profile_device(
-                        lambda: out.append(body(manager, bp, bootstrapping))))
+                    act = profile_device(lambda: out.append(body(manager, bp, bootstrapping)))
                 except RuntimeError as e:  # the iteration must still run
                     rec.profile_errors.append(repr(e))
+                    act = None
                     if not out:
                         out.append(body(manager, bp, bootstrapping))
                 result = out[0]
@@ -137,9 +147,11 @@ class LoopRecorder:
                 result = body(manager, bp, bootstrapping)
             if "_generation_step" in cur:  # an iteration that ran a batch
                 end = time.perf_counter()
-                rec.iters.append(dict(cur, wall=end - t0,
-                                      profiled=profile_from <= k < profile_from + profile_steps))
+                rec.iters.append(dict(cur, wall=end - t0))
                 rec.loop_span = [rec.loop_span[0] or t0, end]
+                rec.decode_seen += bool(cur.get("decode"))
+                if profile and act is not None:
+                    rec.profiled.append((act, bool(cur.get("decode")), cur.get("zos_bytes", 0)))
             return result
         wrap(api.ContinuousBatchingManager, "_generation_loop_body", loop_body)
 
@@ -166,7 +178,8 @@ class LoopRecorder:
             setattr(owner, name, fn)
 
     def summary(self) -> dict:
-        dec = [it for it in self.iters if it.get("decode") and not it["profiled"]]
+        dec = [it for it in self.iters if it.get("decode")]
+        prof = [(a, b) for a, d, b in self.profiled if d]
         after_prefill = [it for prev, it in zip(self.iters, self.iters[1:])
                          if it.get("decode") and not prev.get("decode")]
         us = (lambda key, its: _med([1e6 * it[key] for it in its if key in it]))
@@ -182,10 +195,13 @@ class LoopRecorder:
             zos_record_bytes_median=_med([it["zos_bytes"] for it in dec if "zos_bytes" in it]),
             zos_record_bytes_max=max((it["zos_bytes"] for it in self.iters
                                       if "zos_bytes" in it), default=None),
-            h2d_bytes_per_iteration=_med([a.h2d_bytes for a in self.profiled]),
-            h2d_copies_per_iteration=_med([a.h2d_copies for a in self.profiled]),
-            gpu_busy_us_per_iteration=_med([a.busy_us for a in self.profiled]),
-            profiled_iterations=len(self.profiled), profile_errors=self.profile_errors)
+            h2d_bytes_per_iteration=_med([a.h2d_bytes for a, _ in prof]),
+            # zos's record is read from mapped host memory by the prep kernels (no copy the
+            # profiler sees): host-link bytes count it
+            host_link_bytes_per_iteration=_med([a.h2d_bytes + b for a, b in prof]),
+            h2d_copies_per_iteration=_med([a.h2d_copies for a, _ in prof]),
+            gpu_busy_us_per_iteration=_med([a.busy_us for a, _ in prof]),
+            profiled_iterations=len(prof), profile_errors=self.profile_errors)
 
 
 def config(args, n, inputs, mode):
@@ -215,7 +231,7 @@ def run_mode(model, inputs, args, n: int, mode: str, repeats: int) -> tuple[dict
                   progress_bar=False, persistent_manager=True)
         model.generate_batch(inputs, **kw)  # warm-up: captures, compiles, allocator
         for r in range(repeats):
-            rec = LoopRecorder(args.new_tokens // 2 if r == 0 else 10 ** 9, args.profile_steps)
+            rec = LoopRecorder(0, 0)
             try:
                 _sync()
                 t0 = time.perf_counter()
@@ -228,6 +244,17 @@ def run_mode(model, inputs, args, n: int, mode: str, repeats: int) -> tuple[dict
                 summary = rec.summary()
                 order = sorted(out, key=lambda k: int(k.split("_")[-1]))
                 tokens = [out[k].generated_tokens for k in order]
+        if args.profile_steps:  # a run of its own: the profiler's cost stays out of the above
+            rec = LoopRecorder(args.new_tokens // 4, args.profile_steps)
+            try:
+                model.generate_batch(inputs, **kw)
+            finally:
+                rec.close()
+            prof = rec.summary()
+            for key in ("h2d_bytes_per_iteration", "host_link_bytes_per_iteration",
+                        "h2d_copies_per_iteration", "gpu_busy_us_per_iteration",
+                        "profiled_iterations", "profile_errors"):
+                summary[key] = prof[key]
     finally:
         model.destroy_cached_continuous_batching_manager()
         disable_zos(model)
@@ -250,13 +277,13 @@ def _line(mode: str, r: dict) -> str:
     return (f"{mode} {r['tokens_per_s_best']:.0f} tok/s ({r['tokens_per_s_batches'] or 0:.0f} "
             f"in batches), TPOT {us('tpot_us')} us (prep "
             f"{us('metadata_host_us')}, step {us('generation_step_us')}, update "
-            f"{us('update_batch_us')}), H2D {r['h2d_bytes_per_iteration']} B")
+            f"{us('update_batch_us')}), host link {r['host_link_bytes_per_iteration']} B")
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--requests", default="16,64,256", help="comma-separated N")
-    ap.add_argument("--modes", default="tf_best,tf_eager,zos,zos_sync")
+    ap.add_argument("--modes", default="tf_best,tf_eager,zos,zos_sync,zos_dg")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--new-tokens", type=int, default=64)

@@ -5,7 +5,7 @@
 #   build.log        pip install of the extension
 #   probe.log        which pointer form Triton's launcher takes for the mapped ring
 #   tests.log        the staging/prep/backend tests on CUDA, the stalled-stream tests included
-#   suite.log        the rest of the test suite on CUDA (test_distributed.py left out)
+#   suite.log        the rest of the test suite on CUDA (test_distributed.py left out; SUITE=0 skips it)
 #   memcheck.log     compute-sanitizer --tool memcheck on the prep tests (short)
 #   racecheck.log    compute-sanitizer --tool racecheck on the prep tests (short)
 #   prep_*.json      bench/bench_prep.py (host us per step at N = 1..1024, record bytes)
@@ -19,11 +19,11 @@ t0=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
 
 stamp "build"
-pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1 \
+python3 -m pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1 \
   || { tail -40 "$OUT/build.log"; exit 1; }
 
 stamp "probe: the mapped ring and its pointer form"
-timeout 40 python - > "$OUT/probe.log" 2>&1 <<'EOF'
+timeout 40 python3 - > "$OUT/probe.log" 2>&1 <<'EOF'
 import torch
 from zos.staging_ring import StagingRing
 ring = StagingRing(4, 1024, torch.device("cuda"))
@@ -35,23 +35,25 @@ echo "probe rc=$?"; cat "$OUT/probe.log"
 stamp "prep, staging and backend tests on CUDA (stalled-stream tests included)"
 PREP_FILES=(tests/test_staging.py tests/test_staging_ring.py tests/test_backends.py
             tests/test_spec_backends.py tests/test_padding.py)
-timeout 100 python -m pytest -q -p no:cacheprovider "${PREP_FILES[@]}" > "$OUT/tests.log" 2>&1
+timeout 100 python3 -m pytest -q -p no:cacheprovider "${PREP_FILES[@]}" > "$OUT/tests.log" 2>&1
 echo "tests rc=$?"; tail -15 "$OUT/tests.log"
 
+if [ "${SUITE:-1}" = 1 ]; then
 stamp "the rest of the suite on CUDA (less test_distributed.py)"
 REST=()
 for f in tests/test_*.py; do
   case " ${PREP_FILES[*]} tests/test_distributed.py " in *" $f "*) ;; *) REST+=("$f");; esac
 done
-timeout 110 python -m pytest -q -p no:cacheprovider "${REST[@]}" > "$OUT/suite.log" 2>&1
+timeout 110 python3 -m pytest -q -p no:cacheprovider "${REST[@]}" > "$OUT/suite.log" 2>&1
 echo "suite rc=$?"; tail -8 "$OUT/suite.log"
+fi
 
 SAN=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
 if [ -n "$SAN" ]; then
   for tool in memcheck racecheck; do
     stamp "compute-sanitizer $tool"
     timeout 60 "$SAN" --tool "$tool" --error-exitcode 9 \
-      python -m pytest -q -x -p no:cacheprovider \
+      python3 -m pytest -q -x -p no:cacheprovider \
       "tests/test_staging_ring.py::test_ring_build_without_new_record_and_empty_step" \
       "tests/test_staging_ring.py::test_sparse_and_dense_records_build_identical_buffers[0]" \
       > "$OUT/$tool.log" 2>&1
@@ -62,13 +64,13 @@ else
 fi
 
 stamp "bench_prep"
-timeout 90 python bench/bench_prep.py --sizes 1,8,64,256,512,1024 --steps 150 --warmup 20 \
+timeout 90 python3 bench/bench_prep.py --sizes 1,8,64,256,512,1024 --steps 150 --warmup 20 \
   --profiled 10 --variants host,zos-graph,zos-graph-copy --out "$OUT" \
   > "$OUT/bench_prep.log" 2>&1
 echo "bench_prep rc=$?"; tail -30 "$OUT/bench_prep.log"
 
 stamp "host_breakdown"
-timeout 40 python bench/host_breakdown.py --sizes 1,64,256,1024 --steps 150 --out "$OUT" \
+timeout 40 python3 bench/host_breakdown.py --sizes 1,64,256,1024 --steps 150 --out "$OUT" \
   > "$OUT/breakdown.log" 2>&1
 echo "breakdown rc=$?"; cat "$OUT/breakdown.log"
 stamp "done"

@@ -323,9 +323,10 @@ def test_cpu_model_with_triton_imported_first_is_refused():
 
 @pytest.mark.parametrize("graphs", [False, True])
 def test_graphs_requested_match_transformers(graphs):
-    """transformers' CUDA graphs requested or not (on a CPU transformers turns them off and the
-    graph path's Python runs eagerly; on CUDA each zos bucket's whole step is one replay):
-    zos's greedy tokens equal transformers' own with the same settings and generate()."""
+    """transformers' CUDA graphs requested or not: zos's greedy tokens equal transformers' own
+    with the same settings and generate(). On a CPU transformers turns graphs off, so both
+    cases run the eager path (what this checks there: requesting graphs breaks nothing); on
+    CUDA, with graphs, each zos bucket's whole step is one replay."""
     model = tiny_llama(7)
     inputs = prompts(7, (3, 9, 1, 6, 12, 4), model.config.vocab_size)
     want = [reference(model, p, 7) for p in inputs]
@@ -431,7 +432,21 @@ def test_cuda_async_and_graphs_match_transformers(graphs, asynchronous):
     theirs, _ = run_generate_batch(model, inputs, 9, zos=False, **kw)
     if graphs is None:
         kw.update(use_cuda_graph=None, use_async_batching=None)
-    ours, timings = run_generate_batch(model, inputs, 9, zos=True, bucket_policy="vllm", **kw)
+    from transformers.generation.continuous_batching.utils import CudaGraphBuffer
+    keys, original = [], CudaGraphBuffer.set_graph
+
+    def recording(store, key, graph):
+        keys.append(key)
+        return original(store, key, graph)
+
+    CudaGraphBuffer.set_graph = recording
+    try:
+        ours, timings = run_generate_batch(model, inputs, 9, zos=True, bucket_policy="vllm",
+                                           **kw)
+    finally:
+        CudaGraphBuffer.set_graph = original
     assert theirs == want
     assert ours == want
     assert [p for p, _ in timings].count("zos") >= 5
+    zos_graphs = [k for k in keys if k[0] == "zos"]
+    assert bool(zos_graphs) == (graphs is not False), keys  # zos steps replay their graphs

@@ -32,16 +32,16 @@ def rows_for(tables):
 
 
 def test_tokens_in_flight_come_from_the_output_order():
-    """After a prefill batch whose ``req_id_to_new_token_position`` maps a -> 7, b -> 2 (input
-    positions of their last prompt tokens), a's token is output 0 and b's output 1: the
-    carry map says so, and only rows with a token in flight are in it. a's host token is
-    stale (transformers' update of the batch before wrote it after the placeholder): it is
-    not used."""
+    """After a prefill batch whose ``req_id_to_new_token_position`` maps b -> 2, a -> 9 (input
+    positions of their last prompt tokens, in batch order), b's token is output 0 and a's
+    output 1: the carry map says so, and only rows with a token in flight are in it. a's host
+    token is stale (transformers' update of the batch before wrote it after the placeholder):
+    it is not used."""
     tables = {"a": [3, 5], "b": [9], "c": [4]}
     rows = rows_for(tables)
     reqs = [request("b", 2, TMP_TOKEN_ID), request("c", 1, 42), request("a", 6, 77)]
-    built = rows.build_step(reqs, {"a": 7, "b": 2})
-    assert built.carry == [(0, 1), (2, 0)]
+    built = rows.build_step(reqs, {"b": 2, "a": 9})
+    assert built.carry == [(0, 0), (2, 1)]
     assert built.step.new_rows.tolist() == [0, 1, 2]
     assert built.step.new_tokens.tolist() == [0, 42, 0]  # placeholders are valid ids
     assert built.step.new_positions.tolist() == [2, 1, 6]
@@ -76,3 +76,20 @@ def test_carried_rows_stage_no_token_and_appends_only_crossed_blocks(n):
     crossed = [i for i in range(n) if i % 2 == 1]
     assert second.step.append_rows.tolist() == crossed
     assert second.step.append_block_ids.tolist() == [20 + i for i in crossed]
+
+
+def test_in_graph_takes_tokens_in_flight_from_the_previous_output():
+    """The device part of an asynchronous step: ``sampled`` is the previous output's first R
+    entries; rows with a token in flight read it from the previous output at their index, the
+    others keep their record token; the carry map is all -1 afterwards (the next replay of the
+    same graph carries nothing unless the host says so)."""
+    tables = {"a": [3, 5], "b": [9], "c": [4]}
+    rows = rows_for(tables)
+    reqs = [request("b", 2, TMP_TOKEN_ID), request("c", 1, 42), request("a", 6, 77)]
+    md = rows.stage(rows.build_step(reqs, {"b": 2, "a": 9}))
+    prev = torch.arange(100, 100 + 8 + 1, dtype=torch.int32).unsqueeze(0)  # [1, R + 1]
+    rows.in_graph(md, prev)
+    assert md.input_ids[:3].tolist() == [100, 42, 101]
+    assert md.positions[:3].tolist() == [2, 1, 6]
+    assert rows.buffers.sampled.tolist() == list(range(100, 108))
+    assert rows.carry.tolist() == [-1] * 8

@@ -190,3 +190,81 @@ def test_blocks_appended_in_order_when_a_step_crosses_two(llama):
     res = engine.run(reqs)
     assert res.outputs == want and seen
     assert any(len(a) > len(set(a)) for a in appends), "no row got two blocks in one step"
+
+
+def _run_counting(model, reqs, k, overlap, num_kv_blocks=96):
+    """Runs ``reqs`` (copies) with k drafts; returns (outputs, {req_id: decode launches},
+    {req_id: accepted count of each launch, in order}, preemptions)."""
+    cfg = EngineConfig(block_size=BS, num_kv_blocks=num_kv_blocks, max_num_seqs=6,
+                       max_model_len=28, max_prefill_tokens=64, buckets=[6 * (1 + k)],
+                       num_draft_tokens=k)
+    engine = Engine(model, cfg, DEVICE, overlap=overlap)
+    accepted, pop = {}, engine.readback.pop
+
+    def recording():
+        rows, outs = pop()
+        for req, out in zip(rows, outs):
+            accepted.setdefault(req.req_id, []).append(out[0])
+        return rows, outs
+
+    engine.readback.pop = recording
+    reqs = [Request(r.req_id, list(r.prompt), r.max_new_tokens) for r in reqs]
+    res = engine.run(reqs)
+    return (res.outputs, {r.req_id: r.num_launches for r in reqs}, accepted,
+            engine.num_preemptions)
+
+
+def _overlap_launches(budget, accepted):
+    """The launches the overlapped engine makes for a request of ``budget`` tokens (one from its
+    prefill) whose launches accept ``accepted`` tokens each: launch j (1-based) goes out while
+    the tokens known (the prefill's and those of launches 1 .. j-2, read back) plus one per
+    launch in flight (launch j-1, for j >= 2) stay below the budget."""
+    j = 0
+    while 1 + sum(accepted[:max(j - 1, 0)]) + (1 if j >= 1 else 0) < budget:
+        j += 1
+    return j
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_overlap_never_launches_a_certain_finish(llama, k):
+    """Issue 15, kind 3: under overlap with drafts a row is not launched once its finish by
+    length is certain (tokens known + 1 per launch in flight >= max_new_tokens). Launch counts
+    per request equal the rule's count from the accepted counts of each launch (the same in
+    both engines), which is the synchronous engine's count whenever no launch of the request
+    kept a draft (a kept draft is learnt one launch late); max_new_tokens 2 is launched once,
+    as in the synchronous engine (twice before the fix); tokens are unchanged."""
+    rng = random.Random(k)
+    reqs = []
+    for i, budget in enumerate((2, 9, 3, 14, 1, 6, 2, 11)):
+        pat = [rng.randrange(VOCAB) for _ in range(3)]
+        prompt = (pat * 3)[:rng.randint(3, 9)] if i % 2 else [rng.randrange(VOCAB)
+                                                               for _ in range(rng.randint(1, 8))]
+        reqs.append(Request(i, prompt, budget))
+    out_sync, n_sync, acc_sync, _ = _run_counting(llama, reqs, k, overlap=False)
+    out_over, n_over, acc_over, _ = _run_counting(llama, reqs, k, overlap=True)
+    assert out_over == out_sync
+    kept_draft = 0
+    for r in reqs:
+        a = acc_sync.get(r.req_id, [])
+        assert acc_over.get(r.req_id, [])[:len(a)] == a  # the same accepted counts per launch
+        assert n_sync[r.req_id] == len(a)
+        assert n_over[r.req_id] == _overlap_launches(r.max_new_tokens, a), r
+        if all(x == 1 for x in a):  # every launch gave one token: the synchronous count
+            assert n_over[r.req_id] == n_sync[r.req_id], r
+        kept_draft += any(x > 1 for x in a)
+    assert n_over[0] == n_sync[0] == 1 and n_over[4] == n_sync[4] == 0
+    assert kept_draft > 0, "no launch kept a draft: the rule's other branch is untested"
+
+
+def test_overlap_certain_finish_takes_no_block(llama):
+    """The issue's preemption case: 13 KV blocks, 6 requests of 2-4 tokens, k = 2. Before the fix
+    the overlapped engine launched rows already certain to finish, and those launches took the
+    last free blocks: two requests were preempted; now none is, as in the synchronous engine,
+    with the same tokens."""
+    rng = random.Random(104)
+    reqs = [Request(i, [rng.randrange(VOCAB) for _ in range(rng.randint(1, 8))],
+                    rng.choice([2, 2, 2, 3, 3, 4])) for i in range(6)]
+    out_sync, _, _, pre_sync = _run_counting(llama, reqs, 2, overlap=False, num_kv_blocks=13)
+    out_over, _, _, pre_over = _run_counting(llama, reqs, 2, overlap=True, num_kv_blocks=13)
+    assert out_over == out_sync
+    assert pre_sync == 0 and pre_over == 0

@@ -4,7 +4,8 @@ asynchronous (:class:`ZosAsyncIOs`) batching, with or without transformers' CUDA
 Both subclass transformers' own IO class and change four of its methods, for decode-only
 batches only (:class:`~zos.integrations.hf_rows.ZosDecodeRows` says which):
 
-* ``prepare_batch_tensors``: zos stages the step (record upload on the compute stream) and does
+* ``prepare_batch_tensors``: zos stages the step (its record into zos's staging ring, fenced on
+  the compute stream) and does
   transformers' per-request bookkeeping (positions, placeholder tokens, output positions);
 * ``get_model_kwargs``: the model reads zos's buffers (``"paged|zos"`` attention);
 * ``carry_over_tokens``: transformers calls it first inside the function it runs or captures
@@ -29,7 +30,8 @@ _CLASSES = None
 
 def _bookkeeping(io, requests, logits_processors) -> None:
     """What transformers' ``prepare_batch_tensors`` records per request, for a zos step whose
-    row i is ``requests[i]`` and samples at logits index i (on the host IO ``io``)."""
+    row i is ``requests[i]`` and samples at logits index i, on ``io`` (the synchronous IOs, or
+    the asynchronous IOs' host side of the current pair)."""
     io.num_request_in_batch = len(requests)
     io.requests_in_batch = list(requests)
     positions = io.req_id_to_new_token_position = {}
@@ -140,8 +142,9 @@ def _build():
     class ZosAsyncIOs(ContinuousBatchingAsyncIOs):
         """transformers' asynchronous IOs (two host/device IO pairs, H2D, compute and D2H
         streams) with zos's decode steps. zos keeps one set of buffers for both pairs: every zos
-        upload and prep runs on the compute stream, in step order. A zos step transfers no
-        transformers input tensor: its record goes on the compute stream, and only the logits
+        fence and prep runs on the compute stream, in step order. A zos step transfers no
+        transformers input tensor: its record is read in place from zos's mapped staging ring,
+        and only the logits
         processors' per-request arguments (when a processor needs them) and the rows of tokens
         still in flight are copied. Same arguments as the base, plus ``options`` and
         ``serves`` (as :class:`ZosIOs`).

@@ -24,7 +24,8 @@ Per step:
   builds a :class:`~zos.step.DecodeStep` from what changed (a request that was in the previous
   zos step at the previous position is carried: two record words, plus a block id when it
   crosses a block; any other request is a new row with its token, position and block list),
-  the packer validates it and one H2D copy of the record goes on the compute stream. Inside the
+  the packer validates it and writes its record into zos's staging ring (mapped host memory,
+  fenced on the compute stream; no copy call). Inside the
   step's graph (bucket ``("zos", padded size)`` in transformers' store, captured on first use):
   the previous batch's sampled tokens into ``buffers.sampled``, zos's prep kernels, the rows
   whose token is still in flight (asynchronous batching) from the previous output, the model
@@ -189,8 +190,8 @@ def _install_manager_hook() -> None:
                   logit_processor=bp.logit_processor, options=options, serves=serves)
         bp.inputs_and_outputs = ios
         bp.model_runner.inputs_and_outputs = ios
-        if hasattr(bp.offloading_manager, "compute_stream"):
-            bp.offloading_manager.compute_stream = ios.compute_stream
+        # offloads and restores must stay ordered with the steps that read their blocks
+        bp.offloading_manager._compute_stream = ios.compute_stream
         return bp
 
     __init__._zos_hook = _create_batch_processor._zos_hook = True
@@ -264,16 +265,22 @@ def unsupported(model) -> str | None:
     if impl not in _ACCEPTED_ATTN:
         return f"attn_implementation {impl!r} is not one of {_ACCEPTED_ATTN}"
     text = model.config.get_text_config()
-    layer_types = getattr(text, "layer_types", None) or []
-    if getattr(text, "sliding_window", None) is not None or any(
-            t != "full_attention" for t in layer_types):
+    layer_types = getattr(text, "layer_types", None)
+    if layer_types is None:  # transformers' cache groups: every layer sliding if a window is set
+        sliding = getattr(text, "sliding_window", None) is not None
+    else:
+        sliding = any(t != "full_attention" for t in layer_types)
+    if sliding:
         return "the model has sliding-window layers (zos serves full attention only)"
     return None
 
 
 def disable_zos(model) -> None:
-    """Undo :func:`enable_zos`: the model's attention goes back to what it was."""
+    """Undo :func:`enable_zos`: the model's attention goes back to what it was, and a cached
+    persistent manager (``generate_batch(..., persistent_manager=True)``), whose batch
+    processor holds zos's IOs, is destroyed."""
     if getattr(model, "_zos_options", None) is None:
         return
+    model.destroy_cached_continuous_batching_manager()
     model.set_attn_implementation(model._zos_previous_attn)
     del model._zos_options, model._zos_previous_attn

@@ -393,6 +393,7 @@ class Engine(SpecDecodeMixin):
         res = self.runner.decode(step)
         for req in rows:  # the token this step writes into the KV cache
             req.num_computed += 1
+            req.num_launches += 1
         self._launches, due = launch + 1, []
         for req in dict.fromkeys([r for r in woken if r in row_of] + fresh):
             c, end = req.num_computed, len(req.prompt) + req.max_new_tokens - 1

@@ -9,7 +9,8 @@ allocated for the worst case and the accepted counts go back to the backend
 engine: step t is read back before t + 1 is staged, so a row writes positions num_computed ..
 num_computed + K. Overlapped engine: step t + 1 is staged while t runs, so a carried row may
 first advance by up to q in step t: its blocks cover num_computed + 2q, and its counts reach the
-backend one step late (steps_ago = 1).
+backend one step late (steps_ago = 1). A row is not launched once its finish by length is
+certain from the launches in flight (at least one token each).
 """
 from __future__ import annotations
 
@@ -62,9 +63,13 @@ class SpecDecodeMixin:
                                 {row_of[r]: (r.output[-1], r.num_computed, r.blocks)
                                  for r in fresh}, appends)
         res = self.runner.decode(step)
+        for req in rows:
+            req.num_launches += 1
         self.readback.push(self.spec.output, list(rows))
         self._pending.append((set(), self._launches))  # drops, and the launch it belongs to
         self._launches += 1
+        if self.overlap:
+            self._retire_certain_finishes()
         return self._record("decode", res.path, res.num_reqs, res.padded_size, res.prep_us,
                             res.upload_bytes, t0, res.eager_reason)
 
@@ -88,3 +93,22 @@ class SpecDecodeMixin:
             for tok in out[1:1 + a]:
                 if self._append(req, tok):
                     break
+        if self.readback.pending:  # overlap: launches still in flight, tokens known now
+            self._retire_certain_finishes()
+
+    def _retire_certain_finishes(self) -> None:
+        """Under overlap, a row whose finish by length is already certain is not launched
+        again (the plain engine's rule, vLLM's in async scheduling: never schedule past
+        max_tokens): each launch in flight gives it at least one token (the verifier keeps
+        >= 1 per row), so once its tokens known plus one per launch in flight reach
+        max_new_tokens it is retired at the next step, and its tokens in flight finish it when
+        read. A finish by eos is not known until read: such rows keep being launched. Checked
+        after each launch and after each read-back that leaves launches in flight."""
+        flying: dict = {}
+        for p, (drop, _) in zip(self.readback.pending, self._pending):
+            for req in p.rows:
+                if req not in drop:
+                    flying[req] = flying.get(req, 0) + 1
+        for req, n in flying.items():
+            if req.finish_reason is None and len(req.output) + n >= req.max_new_tokens:
+                self._ending.add(req)

@@ -13,7 +13,8 @@ class Request:
     """One generation request; ``output`` collects the generated token ids (eos kept).
 
     Engine state (not constructor arguments): ``blocks`` (KV block ids held), ``num_computed``
-    (tokens in the KV cache), ``finish_reason`` (None, "length" or "eos"), ``num_preemptions``.
+    (tokens in the KV cache), ``finish_reason`` (None, "length" or "eos"), ``num_preemptions``,
+    ``num_launches`` (decode launches that ran it, its prefill not counted).
     """
 
     req_id: int
@@ -25,6 +26,7 @@ class Request:
     num_computed: int = field(default=0, init=False, repr=False)
     finish_reason: str | None = field(default=None, init=False)
     num_preemptions: int = field(default=0, init=False)
+    num_launches: int = field(default=0, init=False)
     admit_seq: int = field(default=-1, init=False, repr=False)  # admission order, for preemption
 
 
