@@ -412,3 +412,30 @@ def test_ring_full_record_at_512_rows_with_builds_in_flight(monkeypatch):
     for i, (g, h) in enumerate(zip(got, want)):
         for f in FIELDS:
             assert torch.equal(g[f], h[f]), (i, f)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the native ring maps memory through CUDA")
+def test_native_ring_on_a_fresh_thread():
+    """A ring built and used on a thread that has not touched CUDA (transformers' continuous
+    batching runs its loop on a background thread) takes its device's primary context
+    itself: slots are written and fenced there (three steps over two slots)."""
+    import threading
+
+    out = {}
+
+    def run():
+        try:
+            ring = StagingRing(2, 64, torch.device("cuda", torch.cuda.current_device()))
+            for n in range(3):
+                ring.acquire(torch.cuda.current_stream().cuda_stream)[0] = n
+                ring.commit()
+            ring.synchronize()
+            out["slots"] = ring.slots[:, 0].tolist()
+        except Exception as e:  # re-raised on the test's thread
+            out["error"] = e
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    assert "error" not in out, out.get("error")
+    assert out["slots"] == [2, 1]
