@@ -40,7 +40,7 @@ class BuiltStep:
 
     Attributes:
         step: what changed since the last zos step.
-        rows: request id -> (state, position, zos id, blocks in use, last block id) of every
+        rows: request id -> (state, position, zos id, block list zos holds for it) of every
             row, the reference of the next step's carry check.
         carry: None, or (row, index of the request's token in the previous batch's output)
             pairs of new rows whose token is still in flight (asynchronous batching only).
@@ -116,10 +116,13 @@ class ZosDecodeRows:
         block table's width, more requests than rows, or a token in flight that the previous
         batch does not hold): transformers' path then runs that step.
 
-        A request is carried when it is the same request state one position later with the
-        same last block as in the last zos step; any other request is a new row (its token,
-        position and block list). One pass over the requests; the packer validates the whole
-        step in C++ before anything is written.
+        A request is carried when it is the same request state one position later as in the
+        last zos step (plus the blocks it crossed into, appended); if any block column zos holds
+        for it changed since, other than by an append (prefix-sharing swaps, swap-in after CPU
+        offload: compared by value, every column), it is a rewritten row with the runner's
+        list; any other request is a new row (its token, position and block list). One pass
+        over the requests; the packer validates the whole step in C++ before anything is
+        written.
 
         Args:
             requests: transformers' ``FutureRequestState`` list, in batch order.
@@ -139,6 +142,7 @@ class ZosDecodeRows:
         ids, rows, carry = [], {}, []
         new_rows, new_tokens, new_positions, indptr, flat = [], [], [], [0], []
         app_rows, app_blocks = [], []
+        rw_rows, rw_indptr, rw_flat = [], [0], []
         next_id = self.next_id
         out_index = None
         for i, fs in enumerate(requests):
@@ -150,15 +154,26 @@ class ZosDecodeRows:
                     or blocks is None or len(blocks) < need):
                 return None
             prev = prev_get(rid)
-            if (prev is not None and prev[0] is st and prev[1] == pos - 1
-                    and blocks[prev[3] - 1] == prev[4]):
-                zid = prev[2]
-                for c in range(prev[3], need):  # a block crossed since the last step
-                    app_rows.append(i)
-                    app_blocks.append(blocks[c])
+            if prev is not None and prev[0] is st and prev[1] == pos - 1:
+                zid, held = prev[2], prev[3]  # held: the row's blocks as zos has them
+                k = len(held)
+                # Every column, by value (a C-level list compare): transformers rewrites a live
+                # request's list in place (prefix sharing swaps complete blocks for shared
+                # ones, then frees them) or replaces it (swap-in after CPU offload).
+                if (blocks if len(blocks) == k else blocks[:k]) == held:
+                    if need > k:  # blocks crossed since the last step
+                        app_rows.extend([i] * (need - k))
+                        app_blocks.extend(blocks[k:need])
+                        held = held + blocks[k:need]  # a new list: a refused step keeps prev
+                else:  # the runner's list is the truth for this row
+                    held = blocks[:need]
+                    rw_rows.append(i)
+                    rw_flat.extend(held)
+                    rw_indptr.append(len(rw_flat))
             else:
                 zid = next_id
                 next_id += 1
+                held = blocks[:need]
                 token = st.tokens_to_process[0]
                 if prev_positions is not None and rid in prev_positions:
                     # Sampled by the batch in flight. transformers' update of the batch before
@@ -172,16 +187,18 @@ class ZosDecodeRows:
                 new_rows.append(i)
                 new_tokens.append(token)
                 new_positions.append(pos)
-                flat.extend(blocks[:need])
+                flat.extend(held)
                 indptr.append(len(flat))
             ids.append(zid)
-            rows[rid] = (st, pos, zid, need, blocks[need - 1])
+            rows[rid] = (st, pos, zid, held)
         self.next_id = next_id
         i32 = np.int32
         step = DecodeStep(np.array(ids, np.int64), np.array(new_rows, i32),
                           np.array(new_tokens, i32), np.array(new_positions, i32),
                           np.array(indptr, i32), np.array(flat, i32),
-                          np.array(app_rows, i32), np.array(app_blocks, i32))
+                          np.array(app_rows, i32), np.array(app_blocks, i32),
+                          np.array(rw_rows, i32), np.array(rw_indptr, i32),
+                          np.array(rw_flat, i32))
         return BuiltStep(step, rows, carry or None)
 
     def stage(self, built: BuiltStep) -> StepMetadata:

@@ -8,9 +8,12 @@ requests, one ``torch.tensor`` + copy per field), the model reads them through
 (``_forward_process_and_sample``: forward, logits processors, sampling) first calls the IO
 object's ``carry_over_tokens``. :func:`enable_zos` wraps ``ContinuousBatchingManager``'s
 ``__init__`` (zos's fastest mode where the user left the choice to transformers: CUDA graphs
-and asynchronous batching on CUDA) and ``_create_batch_processor`` (the processor gets zos's IOs,
-:mod:`zos.integrations.hf_ios`, in place of transformers' synchronous or asynchronous ones), and
-registers ``"paged|zos"`` in ``AttentionInterface``. Everything else is transformers': its
+and asynchronous batching on CUDA), ``_create_batch_processor`` (the processor gets zos's IOs,
+:mod:`zos.integrations.hf_ios`, in place of transformers' synchronous or asynchronous ones) and
+``switch_to_cb_friendly_attn`` (the model runs on ``paged|sdpa``, never flash, and gets its own
+attention back when the manager stops: ``enable_zos`` leaves the model as it is), and registers
+one dispatcher as ``"paged|sdpa"`` and ``"paged|zos"`` in ``AttentionInterface`` (zos's decode
+for zos's steps, transformers' ``paged|sdpa`` otherwise). Everything else is transformers': its
 scheduler, block manager, offloading, graph capture and store, streams and double-buffered IO
 pairs, logits processors, sampler and output handling. The batch order is transformers' (row i
 of a step is ``requests_in_batch[i]``). Working inside transformers' graph machinery rather than
@@ -63,6 +66,7 @@ from zos.integrations.hf_ios import zos_ios_classes
 
 SUPPORTED_TRANSFORMERS = "5.17.0"
 ATTN_IMPLEMENTATION = "paged|zos"
+CB_ATTN_IMPLEMENTATION = "paged|sdpa"  # what the manager runs a zos-enabled model on
 _ACCEPTED_ATTN = ("sdpa", "paged|sdpa", ATTN_IMPLEMENTATION)
 
 
@@ -105,7 +109,8 @@ class ZosOptions:
 
 def zos_paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                         **kwargs):
-    """The ``"paged|zos"`` attention function (transformers' ``AttentionInterface`` signature).
+    """zos's attention dispatcher, registered as ``"paged|sdpa"`` and ``"paged|zos"``
+    (transformers' ``AttentionInterface`` signature).
 
     With a ``zos_metadata`` kwarg (a decode step built by zos): writes this step's K/V
     (``key``/``value``: ``[1, num_kv_heads, T, head_dim]``) into the layer's cache tensors of
@@ -113,7 +118,8 @@ def zos_paged_attention(module, query, key, value, attention_mask, scaling=None,
     num_kv_heads, head_dim]``) at ``slot_mapping`` (int64 [T]; dummy rows: the write-trash
     slot), in place, then returns the paged decode attention of ``query`` (``[1, num_heads, T,
     head_dim]``) over ``block_table`` / ``seq_lens`` as ``([1, T, num_heads, head_dim], None)``.
-    Without it (prefill, mixed batches): transformers' ``paged|sdpa`` with its mask.
+    Without it (prefill, mixed batches, any model zos does not run): transformers'
+    ``paged|sdpa``, unchanged (its mask, its error when called without a paged cache).
 
     Raises:
         ValueError: the layer's group is not the cache's only group (sliding windows).
@@ -157,14 +163,17 @@ def _fastest_mode(cb_config, model):
 
 
 def _install_manager_hook() -> None:
-    """Wrap ``ContinuousBatchingManager.__init__`` and ``_create_batch_processor`` once: a
-    manager of a model with ``_zos_options`` defaults to zos's fastest mode
-    (:func:`_fastest_mode`) and its batch processor gets zos's IOs (others are untouched)."""
+    """Wrap three ``ContinuousBatchingManager`` methods once (other models are untouched): for a
+    model with ``_zos_options``, ``__init__`` defaults to zos's fastest mode
+    (:func:`_fastest_mode`), ``_create_batch_processor`` gives the batch processor zos's IOs,
+    and ``switch_to_cb_friendly_attn`` runs the model on ``paged|sdpa`` (never flash) and
+    restores its attention when the manager stops, as transformers does."""
     from transformers.generation.continuous_batching import continuous_api as api
     manager = api.ContinuousBatchingManager
     if getattr(manager._create_batch_processor, "_zos_hook", False):
         return
     original_init, original_create = manager.__init__, manager._create_batch_processor
+    original_switch = manager.switch_to_cb_friendly_attn
 
     def __init__(self, model, generation_config, continuous_batching_config,
                  workload_hints=None):
@@ -180,10 +189,16 @@ def _install_manager_hook() -> None:
         if options is None or isinstance(bp.inputs_and_outputs, classes):
             return bp
         cfg = bp.cb_config
-        serves = cfg.varlen_compile_config is None and cfg.decode_compile_config is None
+        impl = self.model.config._attn_implementation
+        why = None
+        if cfg.varlen_compile_config is not None or cfg.decode_compile_config is not None:
+            why = "torch.compile configs are not supported"
+        elif impl not in (CB_ATTN_IMPLEMENTATION, ATTN_IMPLEMENTATION):
+            why = f"the manager runs this model on {impl!r}, not {CB_ATTN_IMPLEMENTATION!r}"
+        serves = why is None
         if not serves:
-            warnings.warn("zos: torch.compile configs are not supported; this run keeps "
-                          "transformers' own path for every step", RuntimeWarning, stacklevel=2)
+            warnings.warn(f"zos: {why}; this run keeps transformers' own path for every step",
+                          RuntimeWarning, stacklevel=2)
         cls = classes[1] if bp.use_async_batching else classes[0]
         ios = cls(cache=bp.cache, config=bp.config, continuous_batching_config=cfg,
                   device=bp.model_device, model_dtype=bp.model_dtype,
@@ -194,9 +209,24 @@ def _install_manager_hook() -> None:
         bp.offloading_manager._compute_stream = ios.compute_stream
         return bp
 
-    __init__._zos_hook = _create_batch_processor._zos_hook = True
+    def switch_to_cb_friendly_attn(self, model):
+        """transformers' switch for other models; a zos-enabled model goes to ``paged|`` + its
+        attention (``sdpa`` -> ``paged|sdpa``), never to a flash one (zos decodes over the
+        sdpa-shaped cache), and, as transformers does, gets its own back when the manager
+        stops."""
+        if getattr(model, "_zos_options", None) is None:
+            return original_switch(self, model)
+        impl = model.config._attn_implementation
+        if not impl.startswith("paged|"):
+            model.set_attn_implementation(f"paged|{impl}")
+            self._original_attn_impl = impl
+        return None
+
+    for fn in (__init__, _create_batch_processor, switch_to_cb_friendly_attn):
+        fn._zos_hook = True
     manager.__init__ = __init__
     manager._create_batch_processor = _create_batch_processor
+    manager.switch_to_cb_friendly_attn = switch_to_cb_friendly_attn
 
 
 def _triton_interpreted() -> bool:
@@ -207,7 +237,15 @@ def _triton_interpreted() -> bool:
 
 def enable_zos(model, options: ZosOptions | None = None) -> bool:
     """Make ``model.generate_batch`` / its ``ContinuousBatchingManager`` prepare decode-only
-    batches with zos, and decode through zos's paged attention (``"paged|zos"``).
+    batches with zos, and decode through zos's paged attention.
+
+    The model itself is not changed: transformers' manager switches it to a continuous-batching
+    attention when it starts and restores the original when it stops (``paged|sdpa`` for a
+    model loaded with ``sdpa``; a zos-enabled model is never switched to a flash attention), so
+    ``model.generate()`` works before, between and after ``generate_batch`` runs. zos registers
+    one dispatcher in ``AttentionInterface`` under ``"paged|sdpa"`` and ``"paged|zos"``: a
+    decode step prepared by zos (a ``zos_metadata`` kwarg) runs zos's paged decode, anything
+    else transformers' ``paged|sdpa``, unchanged (for every model in the process).
 
     Call before the manager is created (a manager cached with ``persistent_manager=True``
     keeps its IOs: destroy it first). :func:`disable_zos` undoes it.
@@ -235,7 +273,6 @@ def enable_zos(model, options: ZosOptions | None = None) -> bool:
     if options.bucket_policy is not None and options.bucket_policy not in POLICIES:
         raise ValueError(f"options.bucket_policy must be None or one of {list(POLICIES)}, got "
                          f"{options.bucket_policy!r}")
-    impl = model.config._attn_implementation
     why = unsupported(model)
     if why is not None:
         warnings.warn(f"zos: {why}; this model keeps transformers' own continuous batching",
@@ -246,12 +283,12 @@ def enable_zos(model, options: ZosOptions | None = None) -> bool:
                            "chosen before triton is imported: import zos before transformers "
                            "(its model classes import triton) on a machine without CUDA, or set "
                            "TRITON_INTERPRET=1 in the environment")
+    # One dispatcher under both names: with a ``zos_metadata`` kwarg (only zos's IOs pass one)
+    # zos's decode, otherwise exactly transformers' ``paged|sdpa``; other models see no change.
     tf.AttentionInterface.register(ATTN_IMPLEMENTATION, zos_paged_attention)
+    tf.AttentionInterface.register(CB_ATTN_IMPLEMENTATION, zos_paged_attention)
     _install_manager_hook()
     model._zos_options = options
-    if getattr(model, "_zos_previous_attn", None) is None:  # a second call keeps the first's
-        model._zos_previous_attn = impl if impl != ATTN_IMPLEMENTATION else "sdpa"
-    model.set_attn_implementation(ATTN_IMPLEMENTATION)
     return True
 
 
@@ -276,11 +313,11 @@ def unsupported(model) -> str | None:
 
 
 def disable_zos(model) -> None:
-    """Undo :func:`enable_zos`: the model's attention goes back to what it was, and a cached
-    persistent manager (``generate_batch(..., persistent_manager=True)``), whose batch
-    processor holds zos's IOs, is destroyed."""
+    """Undo :func:`enable_zos`: managers created from now on run transformers' own path (the
+    model's attention is left as it is: enable_zos never changes it), and a cached persistent
+    manager (``generate_batch(..., persistent_manager=True)``), whose batch processor holds
+    zos's IOs, is destroyed."""
     if getattr(model, "_zos_options", None) is None:
         return
     model.destroy_cached_continuous_batching_manager()
-    model.set_attn_implementation(model._zos_previous_attn)
-    del model._zos_options, model._zos_previous_attn
+    del model._zos_options
