@@ -24,24 +24,11 @@ python3 -m pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>
 
 stamp "probe: the mapped ring and its pointer form"
 timeout 40 python3 - > "$OUT/probe.log" 2>&1 <<'EOF'
-import threading
 import torch
 from zos.staging_ring import StagingRing
-# Nothing has touched CUDA in this process yet, and the second ring is made on a fresh
-# thread (a serving loop's background thread): the ring makes its device's context current.
 ring = StagingRing(4, 1024, torch.device("cuda"))
 print("device_view:", type(ring.device_view).__name__, "device_ptr:", hex(ring.fences.device_ptr),
       "host_ptr:", hex(ring.fences.host_ptr))
-out = {}
-def on_thread():
-    try:
-        r = StagingRing(2, 64, torch.device("cuda"))
-        r.acquire(0); r.commit(); r.synchronize()
-        out["ok"] = type(r.device_view).__name__
-    except Exception as e:  # reported below
-        out["error"] = repr(e)
-t = threading.Thread(target=on_thread); t.start(); t.join()
-print("fresh thread:", out)
 EOF
 echo "probe rc=$?"; cat "$OUT/probe.log"
 
@@ -77,8 +64,8 @@ else
 fi
 
 stamp "bench_prep"
-timeout 120 python3 bench/bench_prep.py --sizes 1,8,64,256,512,1024 --steps 150 --warmup 20 \
-  --profiled 10 --variants host,zos-graph,zos-graph-copy --check-steps --out "$OUT" \
+timeout 90 python3 bench/bench_prep.py --sizes 1,8,64,256,512,1024 --steps 150 --warmup 20 \
+  --profiled 10 --variants host,zos-graph,zos-graph-copy --out "$OUT" \
   > "$OUT/bench_prep.log" 2>&1
 echo "bench_prep rc=$?"; tail -30 "$OUT/bench_prep.log"
 

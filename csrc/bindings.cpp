@@ -297,15 +297,11 @@ Args:
     dst: device address of the staging buffer (``tensor.data_ptr()``).
     src0, src1: addresses of two pinned host buffers of ``capacity`` bytes.
     capacity: bytes each buffer holds.
-    device: the CUDA device ordinal: its primary context (torch's) is retained and made
-        current for each driver call, on any thread; -1 (default): the context current
-        on the constructing thread.
 
 Raises:
-    RuntimeError: the driver cannot be loaded, or device is -1 and no CUDA context is
-        current.)doc")
-      .def(py::init<uint64_t, uint64_t, uint64_t, int64_t, int64_t>(), py::arg("dst"),
-           py::arg("src0"), py::arg("src1"), py::arg("capacity"), py::arg("device") = -1)
+    RuntimeError: the driver cannot be loaded or no CUDA context is current.)doc")
+      .def(py::init<uint64_t, uint64_t, uint64_t, int64_t>(), py::arg("dst"), py::arg("src0"),
+           py::arg("src1"), py::arg("capacity"))
       .def("acquire", &zos::PinnedUpload::acquire, py::call_guard<py::gil_scoped_release>(),
            "Wait until the next buffer's previous copy is done; returns its index (0 or 1).")
       .def("submit", &zos::PinnedUpload::submit, py::arg("k"), py::arg("nbytes"),
@@ -327,17 +323,11 @@ enqueued there) and waits for the fence of the next slot (only when the host is
 ``num_slots`` steps ahead), returns its index; the record is packed into
 ``array()[slot]``; ``commit()``. docs/ZOS.md, "The staging record".
 
-``device``: the CUDA device ordinal; its primary context (torch's) is retained and made
-current for each driver call (the thread's own context is put back after), so the ring
-can be built and used on a thread that never touched CUDA; -1 (default): the context
-current on the constructing thread.
-
 Raises:
-    RuntimeError: the driver cannot be loaded, device is -1 and no CUDA context is
-        current, or the memory cannot be allocated or mapped.
+    RuntimeError: the driver cannot be loaded, no CUDA context is current, or the
+        memory cannot be allocated or mapped.
     ValueError: num_slots or slot_words < 1.)doc")
-      .def(py::init<int64_t, int64_t, int64_t>(), py::arg("num_slots"), py::arg("slot_words"),
-           py::arg("device") = -1)
+      .def(py::init<int64_t, int64_t>(), py::arg("num_slots"), py::arg("slot_words"))
       .def("acquire", &zos::MappedRing::acquire, py::arg("stream"),
            py::call_guard<py::gil_scoped_release>(),
            "Fence the slot committed last on stream (a raw CUstream), wait until the next "

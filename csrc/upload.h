@@ -13,12 +13,9 @@ namespace zos {
 class PinnedUpload {
  public:
   // dst: device address of the staging buffer; src0/src1: the two pinned host
-  // buffers; capacity: bytes each holds; device: the CUDA device ordinal, whose
-  // primary context is retained and used on any thread (-1: the context current on
-  // this thread). Throws std::runtime_error if the driver cannot be loaded, or
-  // device is -1 and no CUDA context is current on this thread.
-  PinnedUpload(uint64_t dst, uint64_t src0, uint64_t src1, int64_t capacity,
-               int64_t device = -1);
+  // buffers; capacity: bytes each holds. Throws std::runtime_error if the
+  // driver cannot be loaded or no CUDA context is current on this thread.
+  PinnedUpload(uint64_t dst, uint64_t src0, uint64_t src1, int64_t capacity);
   ~PinnedUpload();
   PinnedUpload(const PinnedUpload&) = delete;
   PinnedUpload& operator=(const PinnedUpload&) = delete;
@@ -32,11 +29,11 @@ class PinnedUpload {
   void synchronize();
 
  private:
+  void bind_context();
   uint64_t dst_;
   uint64_t src_[2];
   int64_t capacity_;
   void* ctx_ = nullptr;
-  int retained_ = -1;  // the device whose primary context ctx_ is (retained), else -1
   void* fence_[2] = {nullptr, nullptr};
   int turn_ = 0;
 };
@@ -51,13 +48,9 @@ class PinnedUpload {
 // when it is num_slots steps ahead of the device.
 class MappedRing {
  public:
-  // device: the CUDA device ordinal; its primary context (the CUDA runtime's and
-  // torch's) is retained and made current for every driver call, so the ring can be
-  // built and used on any thread, one that never touched CUDA included (-1: the
-  // context current on this thread). Throws std::runtime_error if the driver cannot
-  // be loaded, device is -1 and no CUDA context is current on this thread, or the
-  // memory cannot be allocated and mapped.
-  MappedRing(int64_t num_slots, int64_t slot_words, int64_t device = -1);
+  // Throws std::runtime_error if the driver cannot be loaded, no CUDA context is
+  // current on this thread, or the memory cannot be allocated and mapped.
+  MappedRing(int64_t num_slots, int64_t slot_words);
   ~MappedRing();
   MappedRing(const MappedRing&) = delete;
   MappedRing& operator=(const MappedRing&) = delete;
@@ -78,9 +71,9 @@ class MappedRing {
   int64_t waits() const { return waits_; }  // acquires that found their slot still in use
 
  private:
+  void bind_context();
   int64_t num_slots_, slot_words_;
   void* ctx_ = nullptr;
-  int retained_ = -1;  // the device whose primary context ctx_ is (retained), else -1
   int32_t* host_ = nullptr;
   uint64_t device_ = 0;
   std::vector<void*> fence_;

@@ -126,9 +126,10 @@ class DeviceMetadataBackend(MetadataBackend):
                             for _ in range(2)]
             self._pinned_np = [p.numpy() for p in self._pinned]
             if cuda:
-                self._upload = PinnedUpload(  # fences in the device's primary context
-                    buffers.staging.data_ptr(), self._pinned[0].data_ptr(),
-                    self._pinned[1].data_ptr(), 4 * words, self._device_index)
+                with torch.cuda.device(self._device_index):  # the fences live on its GPU
+                    self._upload = PinnedUpload(
+                        buffers.staging.data_ptr(), self._pinned[0].data_ptr(),
+                        self._pinned[1].data_ptr(), 4 * words)
             self._prep_args = dict(ring=buffers.staging, num_slots=1, slot_words=words,
                                    state=self._prep)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}

@@ -148,9 +148,8 @@ class StagingRing:
         num_slots: K >= 1, steps the host may run ahead of the device.
         slot_words: words per record (``zos.staging.capacity_words``).
         device: the buffers' device: on CUDA the records are mapped pinned memory
-            (:class:`zos._C.MappedRing` over the device's primary context, on any thread:
-            nothing needs to have touched CUDA before), elsewhere a CPU tensor with
-            :class:`ImmediateFences`.
+            (:class:`zos._C.MappedRing`, built with the device current), elsewhere a CPU
+            tensor with :class:`ImmediateFences`.
 
     Attributes:
         slots: int32 numpy [num_slots, slot_words], the host's view (the packer writes a
@@ -173,12 +172,10 @@ class StagingRing:
         if device.type == "cuda":
             from zos._C import MappedRing
 
-            index = device.index if device.index is not None else torch.cuda.current_device()
-            # The ring retains the device's primary context (torch's) and makes it current
-            # for its driver calls itself: it works on a thread that never touched CUDA.
-            self.fences = MappedRing(num_slots, slot_words, index)
-            with torch.cuda.device(index):
-                self.device_view = _mapped_view(self.fences, torch.device("cuda", index))
+            with torch.cuda.device(device):
+                torch.cuda.init()  # a current context for the driver calls
+                self.fences = MappedRing(num_slots, slot_words)
+                self.device_view = _mapped_view(self.fences, device)
             self.slots = self.fences.array()
         else:
             self._records = torch.zeros((num_slots, slot_words), dtype=torch.int32)
