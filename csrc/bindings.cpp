@@ -72,32 +72,18 @@ int64_t compute_remap(const py::handle& prev_obj, const py::handle& curr_obj,
 // The arrays of one DecodeStep, checked (dtype, 1-D, contiguous, matching lengths).
 struct CheckedStep {
   py::array ids, rows, toks, pos, indptr, blks, arows, ablks;
-  py::array wrows, windptr, wblks;  // rewritten rows: none when all three were None
-  bool rewrites = false;
   zos::StepInput input() const {
-    zos::StepInput in{ptr<int64_t>(ids),   ids.size(),          ptr<int32_t>(rows),
-                      ptr<int32_t>(toks),  ptr<int32_t>(pos),   ptr<int32_t>(indptr),
-                      ptr<int32_t>(blks),  rows.size(),         blks.size(),
-                      ptr<int32_t>(arows), ptr<int32_t>(ablks), arows.size()};
-    static const int32_t kZero = 0;
-    in.rewrite_block_indptr = &kZero;  // no rewritten rows: indptr = [0]
-    if (rewrites) {
-      in.rewrite_rows = ptr<int32_t>(wrows);
-      in.rewrite_block_indptr = ptr<int32_t>(windptr);
-      in.rewrite_block_ids = ptr<int32_t>(wblks);
-      in.x = wrows.size();
-      in.y = wblks.size();
-    }
-    return in;
+    return zos::StepInput{ptr<int64_t>(ids),   ids.size(),          ptr<int32_t>(rows),
+                          ptr<int32_t>(toks),  ptr<int32_t>(pos),   ptr<int32_t>(indptr),
+                          ptr<int32_t>(blks),  rows.size(),         blks.size(),
+                          ptr<int32_t>(arows), ptr<int32_t>(ablks), arows.size()};
   }
 };
 
 CheckedStep check_step(const py::handle& req_ids, const py::handle& new_rows,
                        const py::handle& new_tokens, const py::handle& new_positions,
                        const py::handle& new_block_indptr, const py::handle& new_block_ids,
-                       const py::handle& append_rows, const py::handle& append_block_ids,
-                       const py::handle& rewrite_rows, const py::handle& rewrite_block_indptr,
-                       const py::handle& rewrite_block_ids) {
+                       const py::handle& append_rows, const py::handle& append_block_ids) {
   CheckedStep c{checked<int64_t>(req_ids, "req_ids"),
                 checked<int32_t>(new_rows, "new_rows"),
                 checked<int32_t>(new_tokens, "new_tokens"),
@@ -119,18 +105,6 @@ CheckedStep check_step(const py::handle& req_ids, const py::handle& new_rows,
     throw py::value_error("append_block_ids must have len(append_rows) = " +
                           std::to_string(c.arows.size()) + " elements, got " +
                           std::to_string(c.ablks.size()));
-  // Rewritten rows (optional: none when all three are None).
-  c.rewrites = !rewrite_rows.is_none() || !rewrite_block_indptr.is_none() ||
-               !rewrite_block_ids.is_none();
-  if (c.rewrites) {
-    c.wrows = checked<int32_t>(rewrite_rows, "rewrite_rows");
-    c.windptr = checked<int32_t>(rewrite_block_indptr, "rewrite_block_indptr");
-    c.wblks = checked<int32_t>(rewrite_block_ids, "rewrite_block_ids");
-    if (c.windptr.size() != c.wrows.size() + 1)
-      throw py::value_error("rewrite_block_indptr must have len(rewrite_rows) + 1 = " +
-                            std::to_string(c.wrows.size() + 1) + " elements, got " +
-                            std::to_string(c.windptr.size()));
-  }
   return c;
 }
 
@@ -138,12 +112,10 @@ int64_t pack(zos::StepPacker& self, const py::handle& req_ids, const py::handle&
              const py::handle& new_tokens, const py::handle& new_positions,
              const py::handle& new_block_indptr, const py::handle& new_block_ids,
              const py::handle& append_rows, const py::handle& append_block_ids,
-             const py::handle& out_obj, int32_t seq, const py::handle& rewrite_rows,
-             const py::handle& rewrite_block_indptr, const py::handle& rewrite_block_ids) {
+             const py::handle& out_obj, int32_t seq) {
   const CheckedStep c = check_step(req_ids, new_rows, new_tokens, new_positions,
                                    new_block_indptr, new_block_ids, append_rows,
-                                   append_block_ids, rewrite_rows, rewrite_block_indptr,
-                                   rewrite_block_ids);
+                                   append_block_ids);
   auto out = checked<int32_t>(out_obj, "out", true);
   const zos::StepInput in = c.input();
   py::gil_scoped_release release;
@@ -156,13 +128,10 @@ int64_t stage_into_ring(zos::StepPacker& self, zos::MappedRing& ring, uint64_t s
                         int32_t seq, const py::handle& req_ids, const py::handle& new_rows,
                         const py::handle& new_tokens, const py::handle& new_positions,
                         const py::handle& new_block_indptr, const py::handle& new_block_ids,
-                        const py::handle& append_rows, const py::handle& append_block_ids,
-                        const py::handle& rewrite_rows, const py::handle& rewrite_block_indptr,
-                        const py::handle& rewrite_block_ids) {
+                        const py::handle& append_rows, const py::handle& append_block_ids) {
   const CheckedStep c = check_step(req_ids, new_rows, new_tokens, new_positions,
                                    new_block_indptr, new_block_ids, append_rows,
-                                   append_block_ids, rewrite_rows, rewrite_block_indptr,
-                                   rewrite_block_ids);
+                                   append_block_ids);
   const zos::StepInput in = c.input();
   py::gil_scoped_release release;
   const int slot = ring.acquire(stream);
@@ -225,8 +194,7 @@ inside the pool (request block ids in [1, num_kv_blocks)), or >= num_kv_blocks, 
       .def("pack", &pack, py::arg("req_ids"), py::arg("new_rows"), py::arg("new_tokens"),
            py::arg("new_positions"), py::arg("new_block_indptr"), py::arg("new_block_ids"),
            py::arg("append_rows"), py::arg("append_block_ids"), py::arg("out"),
-           py::arg("seq") = 0, py::arg("rewrite_rows") = py::none(),
-           py::arg("rewrite_block_indptr") = py::none(), py::arg("rewrite_block_ids") = py::none(),
+           py::arg("seq") = 0,
            R"doc(Validate one step and write its staging record into ``out``; returns its length in words.
 
 Args (numpy, 1-D, contiguous): req_ids int64 [N]; new_rows int32 [M] (rows whose
@@ -236,20 +204,13 @@ and new_block_ids int32 [L] (CSR: each new row's whole block-table row);
 append_rows int32 [A] and append_block_ids int32 [A] (a block appended after the
 last block of a carried row); out int32 [capacity], written in place; seq: the
 record's SEQ word (a ring slot's sequence number, zos.staging_ring; 0 otherwise).
-Optional, all three or none: rewrite_rows int32 [X] (carried rows whose block list
-changed other than by an append: prefix-sharing swaps, copy-on-write, swap-in,
-defragmentation), rewrite_block_indptr int32 [X+1] and rewrite_block_ids int32 [Y]
-(CSR: each such row's whole block list after this step, appended blocks included;
-its token and position still carry over). A rewritten row is listed, with a record
-of its whole list (col0 = 0).
 
 Only the rows that change are listed (the sparse record, csrc/staging.h), unless
 ``list_every_row`` is set. With q = 1 the work is O(changed rows + M + L + A): a
 row that keeps its request and gets no block is neither visited nor listed.
 
 Rows not in new_rows must hold a request of the previous step; their position
-advances by q and their blocks carry over (or are replaced by their rewrite_block_ids).
-Raises ValueError on any inconsistency
+advances by q and their blocks carry over. Raises ValueError on any inconsistency
 (unknown request without payload, block ids outside [first, num_kv_blocks) with first 1
 when null_block is 0 and 0 otherwise, a position
 not covered by the row's blocks, beyond max_num_blocks_per_req * block_size, more than
@@ -258,8 +219,6 @@ max_num_reqs rows, record larger than ``out``); TypeError on wrong dtypes.)doc")
            py::arg("seq"), py::arg("req_ids"), py::arg("new_rows"), py::arg("new_tokens"),
            py::arg("new_positions"), py::arg("new_block_indptr"), py::arg("new_block_ids"),
            py::arg("append_rows"), py::arg("append_block_ids"),
-           py::arg("rewrite_rows") = py::none(), py::arg("rewrite_block_indptr") = py::none(),
-           py::arg("rewrite_block_ids") = py::none(),
            R"doc(``pack`` into the next slot of a :class:`MappedRing`, in one call (no GIL).
 
 ``ring.acquire(stream)`` (the slot staged last gets its fence on ``stream``; wait for the

@@ -42,14 +42,13 @@ StepPacker::StepPacker(const PackerConfig& cfg) : cfg_(cfg), index_(cfg.max_num_
   t_key_.assign(r, 0);
   deadline_.assign(r, -1);
   for (auto* v : {&nb_, &t_nb_, &t_assumed_, &rec_of_row_, &app_count_, &app_start_,
-                  &claim_row_, &remap_, &src_of_, &rw_of_row_})
+                  &claim_row_, &remap_, &src_of_})
     v->assign(r, 0);
   adv_.assign(r, static_cast<int32_t>(cfg.q));
   assumed_.assign(r, -1);
   dl_next_.assign(r, -1);
   dl_prev_.assign(r, -1);
-  for (auto* v : {&rec_stamp_, &app_stamp_, &claim_stamp_, &touch_stamp_, &rw_stamp_})
-    v->assign(r, 0);
+  for (auto* v : {&rec_stamp_, &app_stamp_, &claim_stamp_, &touch_stamp_}) v->assign(r, 0);
   // Deadlines lie at most max_num_blocks_per_req * block_size packs ahead; buckets
   // beyond 4096 would only save the rare visit of a row whose deadline is a lap ahead.
   const int64_t horizon = cfg.max_num_blocks_per_req * cfg.block_size + 1;
@@ -235,54 +234,6 @@ void StepPacker::validate_appends(const StepInput& in) {
   std::sort(app_rows_.begin(), app_rows_.end());  // records of appended rows in row order
 }
 
-// A rewritten row is a carried row (checked with the others in compute_touched) that is
-// neither new nor appended to, listed once, with at most W block ids in [first,
-// num_kv_blocks); its position is checked against its new list in compute_touched, where
-// the position is known.
-void StepPacker::validate_rewrites(const StepInput& in) {
-  if (in.rewrite_block_indptr == nullptr && in.x == 0 && in.y == 0) return;  // none given
-  const int32_t* indptr = in.rewrite_block_indptr;
-  if (indptr[0] != 0) fail("rewrite_block_indptr[0] must be 0, got " + std::to_string(indptr[0]));
-  if (indptr[in.x] != in.y)
-    fail("rewrite_block_indptr[-1] must equal len(rewrite_block_ids) = " + std::to_string(in.y) +
-         ", got " + std::to_string(indptr[in.x]));
-  for (int64_t k = 0; k < in.x; ++k)
-    if (indptr[k + 1] < indptr[k])
-      fail("rewrite_block_indptr must be non-decreasing, drops at " + std::to_string(k));
-  for (int64_t k = 0; k < in.x; ++k) {
-    const int64_t row = in.rewrite_rows[k];
-    if (row < 0 || row >= in.n)
-      fail("rewrite_rows[" + std::to_string(k) + "] = " + std::to_string(row) +
-           " is outside [0, " + std::to_string(in.n) + ")");
-    auto who = [&] { return row_str(row, in.req_ids[row]); };  // built only on failure
-    if (is_new(row))
-      fail("rewrite_rows: " + who() + " is a new row; its new_block_ids are its whole list");
-    if (apps(row) > 0)
-      fail("rewrite_rows: " + who() + " also has append_rows entries; end its "
-           "rewrite_block_ids with the appended blocks instead");
-    if (rw_stamp_[row] == stamp_)
-      fail("rewrite_rows: row " + std::to_string(row) + " appears twice, at positions " +
-           std::to_string(rw_of_row_[row]) + " and " + std::to_string(k));
-    rw_stamp_[row] = stamp_;
-    rw_of_row_[row] = static_cast<int32_t>(k);
-    const int64_t count = indptr[k + 1] - indptr[k];
-    if (count > cfg_.max_num_blocks_per_req)
-      fail("rewrite_block_ids: " + who() + " has " + std::to_string(count) +
-           " blocks, more than max_num_blocks_per_req = " +
-           std::to_string(cfg_.max_num_blocks_per_req));
-  }
-  const int64_t first = cfg_.first_block_id();
-  for (int64_t e = 0; e < in.y; ++e) {
-    const int32_t b = in.rewrite_block_ids[e];
-    if (b >= first && b < cfg_.num_kv_blocks) continue;
-    const int64_t k = std::upper_bound(indptr, indptr + in.x + 1, e) - indptr - 1;
-    fail("rewrite_block_ids: " + row_str(in.rewrite_rows[k], in.req_ids[in.rewrite_rows[k]]) +
-         " has block id " + std::to_string(b) + " outside [" + std::to_string(first) + ", " +
-         std::to_string(cfg_.num_kv_blocks) + ") (the null block is " +
-         std::to_string(cfg_.null_block) + ")");
-  }
-}
-
 // The rows whose mirror this pack rewrites, in row order: with q = 1 the changed
 // rows (moved in, new, or given blocks), with draft tokens every row (positions
 // advance by per-row accepted counts).
@@ -300,12 +251,11 @@ void StepPacker::collect_touched(const StepInput& in) {
   for (int32_t i : moved_) touch(i);
   for (int64_t k = 0; k < in.m; ++k) touch(in.new_rows[k]);
   for (int32_t i : app_rows_) touch(i);
-  for (int64_t k = 0; k < in.x; ++k) touch(in.rewrite_rows[k]);
   std::sort(touched_.begin(), touched_.end());
 }
 
 [[noreturn]] void StepPacker::fail_blocks(const StepInput& in, int64_t row, int64_t pos,
-                                          int64_t nb, bool rewritten) const {
+                                          int64_t nb) const {
   const int64_t q = cfg_.q, bs = cfg_.block_size, w = cfg_.max_num_blocks_per_req;
   const std::string who = row_str(row, in.req_ids[row]);
   if (nb > w)
@@ -314,10 +264,6 @@ void StepPacker::collect_touched(const StepInput& in) {
   if (pos + q > w * bs)
     fail("req_ids: " + who + " reaches position " + std::to_string(pos + q - 1) +
          ", beyond max_num_blocks_per_req * block_size = " + std::to_string(w * bs));
-  if (rewritten)
-    fail("rewrite_block_ids: " + who + " at position " + std::to_string(pos + q - 1) +
-         " needs " + std::to_string((pos + q - 1) / bs + 1) + " blocks, got " +
-         std::to_string(nb));
   fail("append_rows: " + who + " at position " + std::to_string(pos + q - 1) +
        " needs block column " + std::to_string((pos + q - 1) / bs) + " but holds " +
        std::to_string(nb) + " blocks; append a block");
@@ -342,10 +288,8 @@ void StepPacker::compute_touched(const StepInput& in) {
       fail("new_rows: " + row_str(i, in.req_ids[i]) +
            " was not in the previous step and has no new-row payload");
     const int64_t pos = key_[j] + q * step_ + adv_[j];
-    const int32_t kw = rewrite_of(i);  // a rewritten row brings its whole list
-    const int64_t nb = kw >= 0 ? in.rewrite_block_indptr[kw + 1] - in.rewrite_block_indptr[kw]
-                               : nb_[j] + apps(i);
-    if (nb > w || pos + q > nb * bs) fail_blocks(in, i, pos, nb, kw >= 0);  // no division here
+    const int64_t nb = nb_[j] + apps(i);
+    if (nb > w || pos + q > nb * bs) fail_blocks(in, i, pos, nb);  // no division on this path
     t_key_[k] = pos - q * s;
     t_nb_[k] = static_cast<int32_t>(nb);
     // q > 1: a count still assumed (q) is corrected when it arrives, steps_ago = 1.
@@ -371,8 +315,7 @@ int64_t StepPacker::check_deadlines(const StepInput& in) {
 
 void StepPacker::write_record(const StepInput& in, int32_t* out, int32_t seq) {
   namespace st = staging;
-  const int64_t n = in.n, m_app = in.m + static_cast<int64_t>(app_rows_.size());
-  const int64_t m_total = m_app + in.x;
+  const int64_t n = in.n, m_total = in.m + static_cast<int64_t>(app_rows_.size());
   const int64_t c = static_cast<int64_t>(listed_.size()) + (list_every_row ? n : 0);
   int32_t* list = out + st::kHeaderWords;
   int32_t* records = list + st::kListWords * c;
@@ -381,7 +324,7 @@ void StepPacker::write_record(const StepInput& in, int32_t* out, int32_t seq) {
   out[st::kNumTokens] = static_cast<int32_t>(n * cfg_.q);
   out[st::kPrevReqs] = static_cast<int32_t>(prev_n_);
   out[st::kNumRecords] = static_cast<int32_t>(m_total);
-  out[st::kNumBlockIds] = static_cast<int32_t>(in.l + in.a + in.y);
+  out[st::kNumBlockIds] = static_cast<int32_t>(in.l + in.a);
   out[st::kQ] = static_cast<int32_t>(cfg_.q);
   out[st::kNumListed] = static_cast<int32_t>(c);
   out[st::kSeq] = seq;
@@ -410,19 +353,6 @@ void StepPacker::write_record(const StepInput& in, int32_t* out, int32_t seq) {
     off += app_count_[i];
   }
   for (int64_t e = 0; e < in.a; ++e) blocks[app_start_[in.append_rows[e]]++] = in.append_block_ids[e];
-  // Rewritten rows: each one's whole list (col0 = 0, token = pos0 = -1), in rewrite_rows order.
-  std::copy_n(in.rewrite_block_ids, in.y, blocks + in.l + in.a);
-  for (int64_t k = 0; k < in.x; ++k) {
-    const int32_t i = in.rewrite_rows[k];
-    rec_stamp_[i] = stamp_;
-    rec_of_row_[i] = static_cast<int32_t>(m_app + k);
-    int32_t* r = records + st::kRecordWords * (m_app + k);
-    r[st::kToken] = -1;
-    r[st::kPos0] = -1;
-    r[st::kCol0] = 0;
-    r[st::kCount] = in.rewrite_block_indptr[k + 1] - in.rewrite_block_indptr[k];
-    r[st::kBlkOff] = static_cast<int32_t>(in.l + in.a + in.rewrite_block_indptr[k]);
-  }
   auto entry = [&](int64_t k, int32_t row, int32_t src, int32_t rec) {
     int32_t* e = list + st::kListWords * k;
     e[st::kListRow] = row;
@@ -481,7 +411,7 @@ int64_t StepPacker::pack(const StepInput& in, int32_t* out, int64_t capacity, in
     fail("req_ids: " + std::to_string(n) + " rows exceed max_num_reqs = " +
          std::to_string(cfg_.max_num_reqs));
   if (++stamp_ == 0) {  // wrapped: old stamps could look current
-    for (auto* v : {&rec_stamp_, &app_stamp_, &claim_stamp_, &touch_stamp_, &rw_stamp_})
+    for (auto* v : {&rec_stamp_, &app_stamp_, &claim_stamp_, &touch_stamp_})
       std::fill(v->begin(), v->end(), 0);
     stamp_ = 1;
   }
@@ -489,20 +419,18 @@ int64_t StepPacker::pack(const StepInput& in, int32_t* out, int64_t capacity, in
   find_changed(in);
   validate_new_rows(in);
   validate_appends(in);
-  validate_rewrites(in);
   collect_touched(in);
   compute_touched(in);
   const int64_t deadline_visits = check_deadlines(in);
 
-  // Listed rows: those whose request is new or moved, or that get blocks or a new list.
+  // Listed rows: those whose request is new or moved, or that get blocks.
   listed_.clear();
   if (!list_every_row)
     for (int32_t i : touched_)
-      if (src_of_[i] != i || is_new(i) || apps(i) > 0 || rewrite_of(i) >= 0)
-        listed_.push_back(i);
+      if (src_of_[i] != i || is_new(i) || apps(i) > 0) listed_.push_back(i);
   const int64_t c = list_every_row ? n : static_cast<int64_t>(listed_.size());
-  const int64_t words = st::total_words(c, in.m + static_cast<int64_t>(app_rows_.size()) + in.x,
-                                        in.l + in.a + in.y);
+  const int64_t words =
+      st::total_words(c, in.m + static_cast<int64_t>(app_rows_.size()), in.l + in.a);
   if (words > capacity)
     fail("out: the staging record needs " + std::to_string(words) + " words, capacity is " +
          std::to_string(capacity));

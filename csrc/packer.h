@@ -1,6 +1,6 @@
 // StepPacker: all per-step host work of a decode step: remap, validation and
 // packing of the staging record (layout in staging.h), in O(changed rows + M + L
-// + A + X + Y) when q = 1 (plus a block compare of the request ids), O(N + M + L + A)
+// + A) when q = 1 (plus a block compare of the request ids), O(N + M + L + A)
 // with draft tokens. Keeps a mirror of the previous step's rows (request id,
 // first position, block count), updated in place for the rows that change, so
 // that bad input is caught on the host, before anything is written.
@@ -38,13 +38,6 @@ struct StepInput {
   const int32_t* append_rows;       // [a] carried rows that got a block this step
   const int32_t* append_block_ids;  // [a] the block, appended after the row's last one
   int64_t a;
-  // Carried rows whose block list changed other than by an append (prefix-sharing swaps,
-  // copy-on-write, swap-in, defragmentation): each row's whole block list after this step.
-  const int32_t* rewrite_rows = nullptr;          // [x]
-  const int32_t* rewrite_block_indptr = nullptr;  // [x + 1] CSR offsets into rewrite_block_ids
-  const int32_t* rewrite_block_ids = nullptr;     // [y]
-  int64_t x = 0;
-  int64_t y = 0;
 };
 
 class StepPacker {
@@ -78,14 +71,12 @@ class StepPacker {
   void find_changed(const StepInput& in);
   void validate_new_rows(const StepInput& in);
   void validate_appends(const StepInput& in);
-  void validate_rewrites(const StepInput& in);
   void collect_touched(const StepInput& in);
   void compute_touched(const StepInput& in);
   int64_t check_deadlines(const StepInput& in);
   void write_record(const StepInput& in, int32_t* out, int32_t seq);
   void commit(const StepInput& in);
-  [[noreturn]] void fail_blocks(const StepInput& in, int64_t row, int64_t pos, int64_t nb,
-                                bool rewritten = false) const;
+  [[noreturn]] void fail_blocks(const StepInput& in, int64_t row, int64_t pos, int64_t nb) const;
   bool same_request(const StepInput& in, int64_t i) const {
     return i < prev_n_ && in.req_ids[i] == ids_[i];
   }
@@ -93,8 +84,6 @@ class StepPacker {
     return rec_stamp_[row] == stamp_ && rec_of_row_[row] < new_records_;
   }
   int32_t apps(int64_t row) const { return app_stamp_[row] == stamp_ ? app_count_[row] : 0; }
-  // Row's index in rewrite_rows this pack, or -1.
-  int32_t rewrite_of(int64_t row) const { return rw_stamp_[row] == stamp_ ? rw_of_row_[row] : -1; }
   void link(int32_t row, int64_t deadline);
   void unlink(int32_t row);
 
@@ -123,9 +112,8 @@ class StepPacker {
   // Per-pack scratch, valid where the row's stamp equals stamp_ (no O(N) clears).
   uint32_t stamp_ = 0;
   int64_t new_records_ = 0;
-  std::vector<uint32_t> rec_stamp_, app_stamp_, claim_stamp_, touch_stamp_, rw_stamp_;
+  std::vector<uint32_t> rec_stamp_, app_stamp_, claim_stamp_, touch_stamp_;
   std::vector<int32_t> rec_of_row_, app_count_, app_start_, claim_row_, remap_, src_of_;
-  std::vector<int32_t> rw_of_row_;  // per row: its index in rewrite_rows (rw_stamp_)
   std::vector<int32_t> moved_, app_rows_, touched_, listed_;
   std::vector<int64_t> t_key_;
   std::vector<int32_t> t_nb_, t_assumed_;

@@ -88,9 +88,7 @@ def pack(packer, step, capacity=256):
     out = np.full(capacity, -7, np.int32)
     words = packer.pack(step.req_ids, step.new_rows, step.new_tokens, step.new_positions,
                         step.new_block_indptr, step.new_block_ids, step.append_rows,
-                        step.append_block_ids, out, rewrite_rows=step.rewrite_rows,
-                        rewrite_block_indptr=step.rewrite_block_indptr,
-                        rewrite_block_ids=step.rewrite_block_ids)
+                        step.append_block_ids, out)
     assert (out[words:] == -7).all()
     return staging.parse(out[:words]), out[:words]
 
@@ -135,83 +133,6 @@ def test_dense_record_lists_every_row():
         assert len(rec) == staging.total_words(step.num_reqs, len(vd.records), len(vd.blocks))
         for f in ("row_src", "row_rec", "records", "blocks"):
             assert getattr(vs, f).tolist() == getattr(vd, f).tolist(), f
-
-
-def test_record_layout_with_rewritten_rows():
-    """A rewritten row (in place or moved) is listed with a record of its whole list (col0 =
-    0, token = pos0 = -1) after the appended rows' records, its blocks after theirs; sparse
-    and dense records agree."""
-    sparse, dense = small_packer(), small_packer()
-    dense.list_every_row = True
-
-    def both(step):
-        (vs, rec), (vd, _) = pack(sparse, step), pack(dense, step)
-        for f in ("row_src", "row_rec", "records", "blocks"):
-            assert getattr(vs, f).tolist() == getattr(vd, f).tolist(), f
-        return vs, rec
-
-    both(DecodeStep.build([7, 8, 9], {0: (11, 3, [5]), 1: (12, 4, [6, 9]), 2: (13, 0, [2])}))
-    # Request 7 crosses into a block (append); request 8's blocks swapped in place.
-    view, rec = both(DecodeStep.build([7, 8, 9], appends=[(0, 21)], rewrites={1: [10, 11]}))
-    assert rec[:7].tolist() == [3, 3, 3, 2, 3, 1, 2]
-    assert view.listed.tolist() == [[0, 0, 0], [1, 1, 1]]
-    assert view.records.tolist() == [[-1, -1, 1, 1, 0], [-1, -1, 0, 2, 1]]
-    assert view.blocks.tolist() == [21, 10, 11]
-    # Requests 7 and 8 swap rows; 8 (moved) gets a copy-on-write block, 9 (in place) grows
-    # ahead to three blocks; 7 moves with nothing else.
-    view, rec = both(DecodeStep.build([8, 7, 9], rewrites={2: [3, 4, 15], 0: [12, 11]}))
-    assert rec[:7].tolist() == [3, 3, 3, 2, 5, 1, 3]
-    assert view.listed.tolist() == [[0, 1, 0], [1, 0, -1], [2, 2, 1]]
-    assert view.records.tolist() == [[-1, -1, 0, 2, 0], [-1, -1, 0, 3, 2]]
-    assert view.blocks.tolist() == [12, 11, 3, 4, 15]
-    assert len(rec) == staging.total_words(3, 2, 5)
-
-
-def test_rewritten_rows_move_their_deadlines():
-    """The mirror takes a rewritten row's block count: a list that grew needs no append until
-    its new last block is full, one that shrank needs one as soon as it runs out (refused,
-    naming the row, when it is missing, with nothing committed)."""
-    for dense in (False, True):
-        p = small_packer()
-        p.list_every_row = dense
-        pack(p, DecodeStep.build([7, 8], {0: (11, 3, [5]), 1: (12, 2, [6])}))
-        # Request 8 (position 3) grows ahead to [6, 9, 10]: no append at positions 4..11.
-        pack(p, DecodeStep.build([7, 8], appends=[(0, 21)], rewrites={1: [6, 9, 10]}))
-        for _ in range(3):  # request 8 at positions 4..6: nothing listed
-            view, _ = pack(p, DecodeStep.build([7, 8]))
-            assert len(view.listed) == (2 if dense else 0) and p.rows_visited == 0
-        pack(p, DecodeStep.build([7, 8], appends=[(0, 22)]))  # 7 at 8, 8 at 7: no append
-        # Request 8 (position 8) shrinks to [6, 9, 30] -> still 3 blocks; then to 2 blocks at
-        # a position they cover is refused.
-        with pytest.raises(ValueError, match=r"rewrite_block_ids: row 1 \(request 8\) at "
-                                             r"position 8 needs 3 blocks, got 2"):
-            pack(p, DecodeStep.build([7, 8], rewrites={1: [6, 9]}))
-        view, _ = pack(p, DecodeStep.build([7, 8], rewrites={1: [6, 9, 30]}))
-        assert view.records.tolist() == [[-1, -1, 0, 3, 0]]
-        for _ in range(2):  # request 8 at positions 9, 10, 11: its third block
-            pack(p, DecodeStep.build([7, 8]))
-        pack(p, DecodeStep.build([7, 8], appends=[(0, 23)]))  # request 7 at 12
-        with pytest.raises(ValueError, match=r"row 1 \(request 8\) at position 12 needs block "
-                                             r"column 3 but holds 3 blocks; append a block"):
-            pack(p, DecodeStep.build([7, 8]))
-        view, _ = pack(p, DecodeStep.build([7, 8], appends=[(1, 31)]))
-        assert view.records.tolist() == [[-1, -1, 3, 1, 0]]
-
-
-def test_rewrite_shrinks_deadline():
-    """A rewritten list shorter than the old one: the row's deadline comes earlier, and a step
-    past it without an append is refused though the old list would have covered it."""
-    for dense in (False, True):
-        p = small_packer()
-        p.list_every_row = dense
-        pack(p, DecodeStep.build([7], {0: (11, 1, [5, 6, 9])}))  # blocks ahead: up to 11
-        pack(p, DecodeStep.build([7], rewrites={0: [5]}))  # position 2: one block, up to 3
-        pack(p, DecodeStep.build([7]))  # position 3
-        with pytest.raises(ValueError, match=r"row 0 \(request 7\) at position 4 needs block "
-                                             r"column 1 but holds 1 blocks; append a block"):
-            pack(p, DecodeStep.build([7]))
-        view, _ = pack(p, DecodeStep.build([7], appends=[(0, 40)]))
-        assert view.records.tolist() == [[-1, -1, 1, 1, 0]] and view.blocks.tolist() == [40]
 
 
 def test_record_words_by_name():

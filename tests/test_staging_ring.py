@@ -40,59 +40,41 @@ def packer(r=24, w=W, bs=BS, dense=False):
 def pack(p, step, out):
     return p.pack(step.req_ids, step.new_rows, step.new_tokens, step.new_positions,
                   step.new_block_indptr, step.new_block_ids, step.append_rows,
-                  step.append_block_ids, out, rewrite_rows=step.rewrite_rows,
-                  rewrite_block_indptr=step.rewrite_block_indptr,
-                  rewrite_block_ids=step.rewrite_block_ids)
+                  step.append_block_ids, out)
 
 
 def spoil(step, rng):
     """``step`` made invalid one way or another (a dropped append, a bad block id, a
-    duplicate request id, a rewritten row's block id past the pool or a rewritten row also
-    appended to), or None when it has nothing to spoil that way."""
-    kind = int(rng.integers(0, 5))
-    rw = (step.rewrite_rows, step.rewrite_block_indptr, step.rewrite_block_ids)
-    if kind == 3 and len(step.rewrite_block_ids):
-        ids = step.rewrite_block_ids.copy()
-        ids[0] = NUM_BLOCKS
-        return DecodeStep(step.req_ids, step.new_rows, step.new_tokens, step.new_positions,
-                          step.new_block_indptr, step.new_block_ids, step.append_rows,
-                          step.append_block_ids, rw[0], rw[1], ids)
-    if kind == 4 and len(step.rewrite_rows):
-        return DecodeStep(step.req_ids, step.new_rows, step.new_tokens, step.new_positions,
-                          step.new_block_indptr, step.new_block_ids,
-                          np.append(step.append_rows, step.rewrite_rows[:1]),
-                          np.append(step.append_block_ids, np.int32(1)), *rw)
+    duplicate request id), or None when it has nothing to spoil that way."""
+    kind = int(rng.integers(0, 3))
     if kind == 0 and len(step.append_rows):
         return DecodeStep(step.req_ids, step.new_rows, step.new_tokens, step.new_positions,
                           step.new_block_indptr, step.new_block_ids, step.append_rows[1:],
-                          step.append_block_ids[1:], *rw)
+                          step.append_block_ids[1:])
     if kind == 1 and len(step.new_block_ids):
         ids = step.new_block_ids.copy()
         ids[-1] = NUM_BLOCKS
         return DecodeStep(step.req_ids, step.new_rows, step.new_tokens, step.new_positions,
-                          step.new_block_indptr, ids, step.append_rows, step.append_block_ids,
-                          *rw)
+                          step.new_block_indptr, ids, step.append_rows, step.append_block_ids)
     if kind == 2 and step.num_reqs >= 2:
         ids = step.req_ids.copy()
         ids[-1] = ids[0]
         return DecodeStep(ids, step.new_rows, step.new_tokens, step.new_positions,
                           step.new_block_indptr, step.new_block_ids, step.append_rows,
-                          step.append_block_ids, *rw)
+                          step.append_block_ids)
     return None
 
 
-@pytest.mark.parametrize("rewrite", [0.0, 0.2])
 @pytest.mark.parametrize("seed", range(5))
-def test_packer_sparse_record_equals_dense_record(seed, rewrite):
+def test_packer_sparse_record_equals_dense_record(seed):
     """On seeded traces with invalid steps mixed in, the sparse and the dense packer accept
-    and refuse the same steps (same message) and their records say the same for every row;
-    with ``rewrite``, carried rows' block lists are also rewritten (DecodeStep.rewrite_rows)."""
+    and refuse the same steps (same message) and their records say the same for every row."""
     gen = TraceGen(seed, max_num_reqs=24, block_size=BS, max_blocks=W,
-                   num_kv_blocks=NUM_BLOCKS, vocab=VOCAB, big=True, rewrite=rewrite)
+                   num_kv_blocks=NUM_BLOCKS, vocab=VOCAB, big=True)
     sparse, dense = packer(), packer(dense=True)
     rng = np.random.default_rng(seed + 100)
     out_s, out_d = np.zeros(8192, np.int32), np.zeros(8192, np.int32)
-    refused, rewritten, refused_rewrites = 0, 0, 0
+    refused = 0
     for _ in range(250):
         step, rows = gen.next_step()
         bad = spoil(step, rng) if rng.random() < 0.2 else None
@@ -106,7 +88,6 @@ def test_packer_sparse_record_equals_dense_record(seed, rewrite):
                 msgs.append(str(err.value))
             assert msgs[0] == msgs[1]
             refused += 1
-            refused_rewrites += "rewrite" in msgs[0]
         ws, wd = pack(sparse, step, out_s), pack(dense, step, out_d)
         vs, vd = staging.parse(out_s[:ws]), staging.parse(out_d[:wd])
         assert len(vd.listed) == step.num_reqs
@@ -118,10 +99,8 @@ def test_packer_sparse_record_equals_dense_record(seed, rewrite):
         head = [staging.NUM_REQS, staging.NUM_TOKENS, staging.PREV_REQS, staging.NUM_RECORDS,
                 staging.NUM_BLOCK_IDS, staging.Q]
         assert out_s[head].tolist() == out_d[head].tolist()
-        rewritten += len(step.rewrite_rows)
         gen.sampled(rows)
     assert refused > 10
-    assert (rewritten > 50 and refused_rewrites >= 2) if rewrite else rewritten == 0
 
 
 @pytest.mark.parametrize("bs,w", [(16, 8), (5, 7), (1, 40)])
@@ -168,14 +147,13 @@ def make(kind, *, dense=False, **kw):
     return DeviceMetadataBackend(bufs, staging=kind, dense_record=dense, **common, **kw)
 
 
-@pytest.mark.parametrize("rewrite", [0.0, 0.25])
 @pytest.mark.parametrize("seed", range(2))
-def test_sparse_and_dense_records_build_identical_buffers(seed, rewrite):
+def test_sparse_and_dense_records_build_identical_buffers(seed):
     """Both backends, sparse and dense records, mapped ring and copy: identical metadata (and
     identical device row state between the device variants) after every step, equal to the
-    truth; with ``rewrite``, carried rows' block lists are also rewritten."""
+    truth."""
     gen = TraceGen(seed, max_num_reqs=24, block_size=BS, max_blocks=W,
-                   num_kv_blocks=NUM_BLOCKS, vocab=VOCAB, big=True, rewrite=rewrite)
+                   num_kv_blocks=NUM_BLOCKS, vocab=VOCAB, big=True)
     device = [make("mapped"), make("copy", dense=True), make("mapped", dense=True, ring_slots=1)]
     host = [make("host"), make("host", dense=True)]
     for _ in range(16):

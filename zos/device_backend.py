@@ -191,10 +191,8 @@ class DeviceMetadataBackend(MetadataBackend):
         args = (step.req_ids, step.new_rows, step.new_tokens, step.new_positions,
                 step.new_block_indptr, step.new_block_ids, step.append_rows,
                 step.append_block_ids)
-        rw = dict(rewrite_rows=step.rewrite_rows, rewrite_block_indptr=step.rewrite_block_indptr,
-                  rewrite_block_ids=step.rewrite_block_ids)
         if plan.padded_size == 0:  # no build reads it: keep the SEQ chain for the next one
-            self.packer.pack(*args, self._discard, **rw)
+            self.packer.pack(*args, self._discard)
             self.last_upload_bytes = 0
             return plan
         seq = (self._seq + 1) & SEQ_MASK
@@ -202,13 +200,13 @@ class DeviceMetadataBackend(MetadataBackend):
         try:
             if self._native_ring is not None:  # fences, pack and commit in one native call
                 words = self.packer.stage_into_ring(self._native_ring, self._stream_handle, seq,
-                                                    *args, **rw)
+                                                    *args)
             elif ring is not None:
-                words = self.packer.pack(*args, ring.acquire(self._stream_handle), seq, **rw)
+                words = self.packer.pack(*args, ring.acquire(self._stream_handle), seq)
                 ring.commit()
             else:
                 k = up.acquire() if up is not None else 0
-                words = self.packer.pack(*args, self._pinned_np[k], seq, **rw)
+                words = self.packer.pack(*args, self._pinned_np[k], seq)
                 if up is not None:
                     up.submit(k, 4 * words, self._stream_handle)
                 else:
