@@ -2,7 +2,6 @@
 
 #include <dlfcn.h>
 
-#include <algorithm>
 #include <stdexcept>
 #include <string>
 
@@ -20,10 +19,6 @@ struct Driver {
   CUresult (*event_synchronize)(void*);
   CUresult (*memcpy_htod_async)(uint64_t, const void*, size_t, void*);
   CUresult (*get_error_string)(CUresult, const char**);
-  CUresult (*event_query)(void*);
-  CUresult (*mem_host_alloc)(void**, size_t, unsigned);
-  CUresult (*mem_free_host)(void*);
-  CUresult (*mem_host_get_device_pointer)(uint64_t*, void*, unsigned);
 };
 
 const Driver& driver() {
@@ -45,11 +40,6 @@ const Driver& driver() {
     r.memcpy_htod_async =
         reinterpret_cast<decltype(r.memcpy_htod_async)>(sym("cuMemcpyHtoDAsync_v2"));
     r.get_error_string = reinterpret_cast<decltype(r.get_error_string)>(sym("cuGetErrorString"));
-    r.event_query = reinterpret_cast<decltype(r.event_query)>(sym("cuEventQuery"));
-    r.mem_host_alloc = reinterpret_cast<decltype(r.mem_host_alloc)>(sym("cuMemHostAlloc"));
-    r.mem_free_host = reinterpret_cast<decltype(r.mem_free_host)>(sym("cuMemFreeHost"));
-    r.mem_host_get_device_pointer = reinterpret_cast<decltype(r.mem_host_get_device_pointer)>(
-        sym("cuMemHostGetDevicePointer_v2"));
     return r;
   }();
   return d;
@@ -64,9 +54,6 @@ void check(CUresult rc, const char* what) {
 }
 
 constexpr unsigned kEventDisableTiming = 0x2;
-constexpr unsigned kMemHostAllocPortable = 0x1;   // CU_MEMHOSTALLOC_PORTABLE
-constexpr unsigned kMemHostAllocDeviceMap = 0x2;  // CU_MEMHOSTALLOC_DEVICEMAP
-constexpr CUresult kErrorNotReady = 600;          // CUDA_ERROR_NOT_READY
 
 }  // namespace
 
@@ -117,82 +104,6 @@ void PinnedUpload::submit(int k, int64_t nbytes, uint64_t stream) {
         "cuMemcpyHtoDAsync");
   check(driver().event_record(fence_[k], s), "cuEventRecord");
   turn_ = 1 - k;
-}
-
-MappedRing::MappedRing(int64_t num_slots, int64_t slot_words)
-    : num_slots_(num_slots), slot_words_(slot_words) {
-  if (num_slots < 1 || slot_words < 1)
-    throw std::invalid_argument("MappedRing: num_slots and slot_words must be positive, got " +
-                                std::to_string(num_slots) + " and " + std::to_string(slot_words));
-  const Driver& d = driver();
-  check(d.ctx_get_current(&ctx_), "cuCtxGetCurrent");
-  if (!ctx_) throw std::runtime_error("MappedRing: no CUDA context is current on this thread");
-  void* p = nullptr;
-  const size_t bytes = static_cast<size_t>(num_slots * slot_words) * sizeof(int32_t);
-  check(d.mem_host_alloc(&p, bytes, kMemHostAllocPortable | kMemHostAllocDeviceMap),
-        "cuMemHostAlloc");
-  host_ = static_cast<int32_t*>(p);
-  std::fill_n(host_, num_slots * slot_words, 0);  // N = 0 and SEQ = 0 in every slot
-  try {
-    check(d.mem_host_get_device_pointer(&device_, p, 0), "cuMemHostGetDevicePointer");
-    fence_.assign(static_cast<size_t>(num_slots), nullptr);
-    for (auto& f : fence_) check(d.event_create(&f, kEventDisableTiming), "cuEventCreate");
-  } catch (...) {
-    for (auto* f : fence_)
-      if (f) d.event_destroy(f);
-    d.mem_free_host(p);
-    throw;
-  }
-}
-
-MappedRing::~MappedRing() {
-  try {
-    synchronize();
-  } catch (...) {  // nothing to report to in a destructor; free anyway
-  }
-  for (auto* f : fence_)
-    if (f) driver().event_destroy(f);
-  if (host_) driver().mem_free_host(host_);
-}
-
-void MappedRing::bind_context() {
-  void* cur = nullptr;
-  check(driver().ctx_get_current(&cur), "cuCtxGetCurrent");
-  if (cur != ctx_) check(driver().ctx_set_current(ctx_), "cuCtxSetCurrent");
-}
-
-int MappedRing::acquire(uint64_t stream) {
-  bind_context();
-  const Driver& d = driver();
-  if (pending_ >= 0) {
-    check(d.event_record(fence_[pending_], reinterpret_cast<void*>(stream)), "cuEventRecord");
-    pending_ = -1;
-  }
-  last_stream_ = stream;
-  const CUresult rc = d.event_query(fence_[next_]);
-  if (rc == kErrorNotReady) {
-    ++waits_;
-    check(d.event_synchronize(fence_[next_]), "cuEventSynchronize");
-  } else {
-    check(rc, "cuEventQuery");
-  }
-  return next_;
-}
-
-void MappedRing::commit() {
-  pending_ = next_;
-  next_ = static_cast<int>((next_ + 1) % num_slots_);
-}
-
-void MappedRing::synchronize() {
-  bind_context();
-  const Driver& d = driver();
-  if (pending_ >= 0) {
-    check(d.event_record(fence_[pending_], reinterpret_cast<void*>(last_stream_)),
-          "cuEventRecord");
-    pending_ = -1;
-  }
-  for (auto* f : fence_) check(d.event_synchronize(f), "cuEventSynchronize");
 }
 
 }  // namespace zos
