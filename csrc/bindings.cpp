@@ -73,7 +73,8 @@ int64_t pack(zos::StepPacker& self, const py::handle& req_ids, const py::handle&
              const py::handle& new_tokens, const py::handle& new_positions,
              const py::handle& new_block_indptr, const py::handle& new_block_ids,
              const py::handle& append_rows, const py::handle& append_block_ids,
-             const py::handle& out_obj) {
+             const py::handle& out_obj, const py::handle& rewrite_rows,
+             const py::handle& rewrite_block_indptr, const py::handle& rewrite_block_ids) {
   auto ids = checked<int64_t>(req_ids, "req_ids");
   auto rows = checked<int32_t>(new_rows, "new_rows");
   auto toks = checked<int32_t>(new_tokens, "new_tokens");
@@ -100,6 +101,27 @@ int64_t pack(zos::StepPacker& self, const py::handle& req_ids, const py::handle&
                     ptr<int32_t>(toks),   ptr<int32_t>(pos),   ptr<int32_t>(indptr),
                     ptr<int32_t>(blks),   m,                   blks.size(),
                     ptr<int32_t>(arows),  ptr<int32_t>(ablks), arows.size()};
+  // Rewritten rows (optional: none when all three are None).
+  const bool rewrites = !rewrite_rows.is_none() || !rewrite_block_indptr.is_none() ||
+                        !rewrite_block_ids.is_none();
+  static const int32_t kZero = 0;
+  py::array wrows, windptr, wblks;
+  if (rewrites) {
+    wrows = checked<int32_t>(rewrite_rows, "rewrite_rows");
+    windptr = checked<int32_t>(rewrite_block_indptr, "rewrite_block_indptr");
+    wblks = checked<int32_t>(rewrite_block_ids, "rewrite_block_ids");
+    if (windptr.size() != wrows.size() + 1)
+      throw py::value_error("rewrite_block_indptr must have len(rewrite_rows) + 1 = " +
+                            std::to_string(wrows.size() + 1) + " elements, got " +
+                            std::to_string(windptr.size()));
+    in.rewrite_rows = ptr<int32_t>(wrows);
+    in.rewrite_block_indptr = ptr<int32_t>(windptr);
+    in.rewrite_block_ids = ptr<int32_t>(wblks);
+    in.x = wrows.size();
+    in.y = wblks.size();
+  } else {
+    in.rewrite_block_indptr = &kZero;  // no rewritten rows: indptr = [0]
+  }
   py::gil_scoped_release release;
   return self.pack(in, static_cast<int32_t*>(out.mutable_data()), out.size());
 }
@@ -157,6 +179,8 @@ inside the pool (request block ids in [1, num_kv_blocks)), or >= num_kv_blocks, 
       .def("pack", &pack, py::arg("req_ids"), py::arg("new_rows"), py::arg("new_tokens"),
            py::arg("new_positions"), py::arg("new_block_indptr"), py::arg("new_block_ids"),
            py::arg("append_rows"), py::arg("append_block_ids"), py::arg("out"),
+           py::arg("rewrite_rows") = py::none(), py::arg("rewrite_block_indptr") = py::none(),
+           py::arg("rewrite_block_ids") = py::none(),
            R"doc(Validate one step and write its staging record into ``out``; returns its length in words.
 
 Args (numpy, 1-D, contiguous): req_ids int64 [N]; new_rows int32 [M] (rows whose
@@ -164,10 +188,16 @@ request starts, resumes or restarts here); new_tokens int32 [M] (input token);
 new_positions int32 [M] (position of that token); new_block_indptr int32 [M+1]
 and new_block_ids int32 [L] (CSR: each new row's whole block-table row);
 append_rows int32 [A] and append_block_ids int32 [A] (a block appended after the
-last block of a carried row); out int32 [capacity], written in place.
+last block of a carried row); out int32 [capacity], written in place. Optional,
+all three or none: rewrite_rows int32 [X] (carried rows whose block list changed
+other than by an append: prefix-sharing swaps, copy-on-write, swap-in,
+defragmentation), rewrite_block_indptr int32 [X+1] and rewrite_block_ids int32 [Y]
+(CSR: each such row's whole block list after this step, appended blocks included;
+its token and position still carry over).
 
 Rows not in new_rows must hold a request of the previous step; their position
-advances by q and their blocks carry over. Raises ValueError on any inconsistency
+advances by q and their blocks carry over (or are replaced by their rewrite_block_ids).
+Raises ValueError on any inconsistency
 (unknown request without payload, block ids outside [first, num_kv_blocks) with first 1
 when null_block is 0 and 0 otherwise, a position
 not covered by the row's blocks, beyond max_num_blocks_per_req * block_size, more than

@@ -16,6 +16,41 @@ std::string row_str(int64_t row, int64_t id) {
   return "row " + std::to_string(row) + " (request " + std::to_string(id) + ")";
 }
 
+
+// CSR offsets of a block list per row: start at 0, end at len(ids), never drop.
+void check_indptr(const char* field, const char* ids_field, const int32_t* indptr, int64_t m,
+                  int64_t l) {
+  if (indptr[0] != 0) fail(std::string(field) + "[0] must be 0, got " + std::to_string(indptr[0]));
+  if (indptr[m] != l)
+    fail(std::string(field) + "[-1] must equal len(" + ids_field + ") = " + std::to_string(l) +
+         ", got " + std::to_string(indptr[m]));
+  for (int64_t k = 0; k < m; ++k)
+    if (indptr[k + 1] < indptr[k])
+      fail(std::string(field) + " must be non-decreasing, drops at " + std::to_string(k));
+}
+
+// Block ids of a CSR list of rows (new rows, rewritten rows) against [first, num_kv_blocks):
+// one branch-free min/max pass; the offender and its row are looked up only on failure.
+void check_block_ids(const PackerConfig& cfg, const int64_t* req_ids, const char* field,
+                     const int32_t* rows, const int32_t* indptr, const int32_t* ids, int64_t m,
+                     int64_t l) {
+  int32_t lo_id = INT32_MAX, hi_id = INT32_MIN;
+  for (int64_t e = 0; e < l; ++e) {
+    lo_id = std::min(lo_id, ids[e]);
+    hi_id = std::max(hi_id, ids[e]);
+  }
+  const int64_t first = cfg.first_block_id();
+  if (l > 0 && (lo_id < first || hi_id >= cfg.num_kv_blocks)) {
+    int64_t e = 0;
+    while (ids[e] >= first && ids[e] < cfg.num_kv_blocks) ++e;
+    const int64_t k = std::upper_bound(indptr, indptr + m + 1, e) - indptr - 1;
+    fail(std::string(field) + ": " + row_str(rows[k], req_ids[rows[k]]) + " has block id " +
+         std::to_string(ids[e]) + " outside [" + std::to_string(first) + ", " +
+         std::to_string(cfg.num_kv_blocks) + ") (the null block is " +
+         std::to_string(cfg.null_block) + ")");
+  }
+}
+
 }  // namespace
 
 StepPacker::StepPacker(const PackerConfig& cfg) : cfg_(cfg), index_(cfg.max_num_reqs) {
@@ -36,7 +71,8 @@ StepPacker::StepPacker(const PackerConfig& cfg) : cfg_(cfg), index_(cfg.max_num_
          (cfg.null_block == 0 ? " (block 0 is reserved)" : "") + ", got " +
          std::to_string(cfg.num_kv_blocks));
   const size_t r = static_cast<size_t>(cfg.max_num_reqs);
-  for (auto* v : {&remap_, &rec_of_row_, &app_count_, &app_start_, &prev_pos0_, &prev_nblocks_,
+  for (auto* v : {&remap_, &rec_of_row_, &app_count_, &app_start_, &rw_of_row_, &prev_pos0_,
+                  &prev_nblocks_,
                   &curr_pos0_, &curr_nblocks_, &taken_by_, &prev_assumed_src_,
                   &curr_assumed_src_})
     v->assign(r, 0);
@@ -130,11 +166,7 @@ void StepPacker::commit_index(const StepInput& in) {
 
 void StepPacker::validate_new_rows(const StepInput& in) {
   const int64_t max_len = cfg_.max_num_blocks_per_req * cfg_.block_size;
-  if (in.new_block_indptr[0] != 0) fail("new_block_indptr[0] must be 0, got " +
-                                        std::to_string(in.new_block_indptr[0]));
-  if (in.new_block_indptr[in.m] != in.l)
-    fail("new_block_indptr[-1] must equal len(new_block_ids) = " + std::to_string(in.l) +
-         ", got " + std::to_string(in.new_block_indptr[in.m]));
+  check_indptr("new_block_indptr", "new_block_ids", in.new_block_indptr, in.m, in.l);
   for (int64_t k = 0; k < in.m; ++k) {
     const int64_t row = in.new_rows[k];
     if (row < 0 || row >= in.n)
@@ -154,7 +186,6 @@ void StepPacker::validate_new_rows(const StepInput& in) {
            "; positions must lie in [0, max_num_blocks_per_req * block_size - q] = [0, " +
            std::to_string(max_len - cfg_.q) + "]");
     const int64_t lo = in.new_block_indptr[k], hi = in.new_block_indptr[k + 1];
-    if (hi < lo) fail("new_block_indptr must be non-decreasing, drops at " + std::to_string(k));
     if (hi - lo > cfg_.max_num_blocks_per_req)
       fail("new_block_ids: " + who() + " has " + std::to_string(hi - lo) +
            " blocks, more than max_num_blocks_per_req = " + std::to_string(cfg_.max_num_blocks_per_req));
@@ -162,24 +193,8 @@ void StepPacker::validate_new_rows(const StepInput& in) {
       fail("new_block_ids: " + who() + " at position " + std::to_string(pos) + " needs " +
            std::to_string((pos + cfg_.q - 1) / cfg_.block_size + 1) + " blocks, got " + std::to_string(hi - lo));
   }
-  // Block ids: one branch-free min/max pass; the offender is looked up only on failure.
-  int32_t lo_id = INT32_MAX, hi_id = INT32_MIN;
-  const int32_t* __restrict ids = in.new_block_ids;
-  for (int64_t e = 0; e < in.l; ++e) {
-    lo_id = std::min(lo_id, ids[e]);
-    hi_id = std::max(hi_id, ids[e]);
-  }
-  const int64_t first = cfg_.first_block_id();
-  if (in.l > 0 && (lo_id < first || hi_id >= cfg_.num_kv_blocks)) {
-    int64_t e = 0;
-    while (ids[e] >= first && ids[e] < cfg_.num_kv_blocks) ++e;
-    const int64_t k = std::upper_bound(in.new_block_indptr, in.new_block_indptr + in.m + 1, e) -
-                      in.new_block_indptr - 1;
-    fail("new_block_ids: " + row_str(in.new_rows[k], in.req_ids[in.new_rows[k]]) +
-         " has block id " + std::to_string(ids[e]) + " outside [" + std::to_string(first) +
-         ", " + std::to_string(cfg_.num_kv_blocks) + ") (the null block is " +
-         std::to_string(cfg_.null_block) + ")");
-  }
+  check_block_ids(cfg_, in.req_ids, "new_block_ids", in.new_rows, in.new_block_indptr,
+                  in.new_block_ids, in.m, in.l);
 }
 
 void StepPacker::validate_appends(const StepInput& in) {
@@ -199,6 +214,36 @@ void StepPacker::validate_appends(const StepInput& in) {
   }
 }
 
+// A rewritten row is a carried row (checked with the others in pack) that is neither new nor
+// appended to, listed once, with at most W blocks; its position is checked against its new
+// list in pack, where the position is known.
+void StepPacker::validate_rewrites(const StepInput& in) {
+  check_indptr("rewrite_block_indptr", "rewrite_block_ids", in.rewrite_block_indptr, in.x, in.y);
+  for (int64_t k = 0; k < in.x; ++k) {
+    const int64_t row = in.rewrite_rows[k];
+    if (row < 0 || row >= in.n)
+      fail("rewrite_rows[" + std::to_string(k) + "] = " + std::to_string(row) +
+           " is outside [0, " + std::to_string(in.n) + ")");
+    auto who = [&] { return row_str(row, in.req_ids[row]); };  // built only on failure
+    if (rec_of_row_[row] >= 0)
+      fail("rewrite_rows: " + who() + " is a new row; its new_block_ids are its whole list");
+    if (app_count_[row] > 0)
+      fail("rewrite_rows: " + who() + " also has append_rows entries; end its "
+           "rewrite_block_ids with the appended blocks instead");
+    if (rw_of_row_[row] >= 0)
+      fail("rewrite_rows: row " + std::to_string(row) + " appears twice, at positions " +
+           std::to_string(rw_of_row_[row]) + " and " + std::to_string(k));
+    rw_of_row_[row] = static_cast<int32_t>(k);
+    const int64_t count = in.rewrite_block_indptr[k + 1] - in.rewrite_block_indptr[k];
+    if (count > cfg_.max_num_blocks_per_req)
+      fail("rewrite_block_ids: " + who() + " has " + std::to_string(count) +
+           " blocks, more than max_num_blocks_per_req = " +
+           std::to_string(cfg_.max_num_blocks_per_req));
+  }
+  check_block_ids(cfg_, in.req_ids, "rewrite_block_ids", in.rewrite_rows,
+                  in.rewrite_block_indptr, in.rewrite_block_ids, in.x, in.y);
+}
+
 int64_t StepPacker::pack(const StepInput& in, int32_t* out, int64_t capacity) {
   namespace st = staging;
   const int64_t n = in.n;
@@ -209,8 +254,10 @@ int64_t StepPacker::pack(const StepInput& in, int32_t* out, int64_t capacity) {
   remap(in);
   std::fill_n(rec_of_row_.begin(), n, -1);
   std::fill_n(app_count_.begin(), n, 0);
+  std::fill_n(rw_of_row_.begin(), n, -1);
   validate_new_rows(in);
   validate_appends(in);
+  validate_rewrites(in);
 
   // Rows and their records: new rows take records [0, m), appended rows follow.
   const int64_t max_len = cfg_.max_num_blocks_per_req * cfg_.block_size;
@@ -237,7 +284,9 @@ int64_t StepPacker::pack(const StepInput& in, int32_t* out, int64_t capacity) {
       fail("new_rows: " + row_str(i, in.req_ids[i]) +
            " was not in the previous step and has no new-row payload");
     const int64_t pos = prev_pos[j] + prev_adv_[j];
-    const int64_t nb = prev_nb[j] + apps[i];
+    const int32_t kw = rw_of_row_[i];  // a rewritten row brings its whole list
+    const int64_t nb = kw >= 0 ? in.rewrite_block_indptr[kw + 1] - in.rewrite_block_indptr[kw]
+                               : prev_nb[j] + apps[i];
     if (nb > w || pos + q > max_len || pos + q > nb * bs) {  // no division on this path
       const std::string who = row_str(i, in.req_ids[i]);
       if (nb > w)
@@ -246,6 +295,10 @@ int64_t StepPacker::pack(const StepInput& in, int32_t* out, int64_t capacity) {
       if (pos + q > max_len)
         fail("req_ids: " + who + " reaches position " + std::to_string(pos + q - 1) +
              ", beyond max_num_blocks_per_req * block_size = " + std::to_string(max_len));
+      if (kw >= 0)
+        fail("rewrite_block_ids: " + who + " at position " + std::to_string(pos + q - 1) +
+             " needs " + std::to_string((pos + q - 1) / bs + 1) + " blocks, got " +
+             std::to_string(nb));
       fail("append_rows: " + who + " at position " + std::to_string(pos + q - 1) +
            " needs block column " + std::to_string((pos + q - 1) / bs) + " but holds " +
            std::to_string(nb) + " blocks; append a block");
@@ -254,12 +307,12 @@ int64_t StepPacker::pack(const StepInput& in, int32_t* out, int64_t capacity) {
     nblocks[i] = static_cast<int32_t>(nb);
     // q > 1: a count still assumed (q) is corrected when it arrives, steps_ago = 1.
     curr_assumed_src_[i] = (q > 1 && prev_adv_[j] == q) ? j : -1;
-    if (apps[i] > 0) {
+    if (apps[i] > 0 || kw >= 0) {
       rec[i] = static_cast<int32_t>(m_total++);
       app_order_.push_back(static_cast<int32_t>(i));
     }
   }
-  const int64_t l_total = in.l + in.a;
+  const int64_t l_total = in.l + in.a + in.y;
   const int64_t words = st::total_words(n, m_total, l_total);
   if (words > capacity)
     fail("out: the staging record needs " + std::to_string(words) + " words, capacity is " +
@@ -295,17 +348,27 @@ int64_t StepPacker::pack(const StepInput& in, int32_t* out, int64_t capacity) {
     r[st::kCount] = in.new_block_indptr[k + 1] - in.new_block_indptr[k];
     r[st::kBlkOff] = in.new_block_indptr[k];
   }
-  // Appended blocks, grouped by row in input order (a counting sort).
+  // Carried rows' records in row order: a rewritten row's whole list (col0 = 0), else its
+  // appended blocks, grouped by row in input order (a counting sort).
   int64_t off = in.l;
   for (int32_t i : app_order_) {
-    app_start_[i] = static_cast<int32_t>(off);
     int32_t* r = records + st::kRecordWords * rec_of_row_[i];
     r[st::kToken] = -1;
     r[st::kPos0] = -1;
-    r[st::kCol0] = prev_nblocks_[remap_[i]];
-    r[st::kCount] = app_count_[i];
     r[st::kBlkOff] = static_cast<int32_t>(off);
-    off += app_count_[i];
+    const int32_t kw = rw_of_row_[i];
+    if (kw >= 0) {
+      const int32_t lo = in.rewrite_block_indptr[kw], count = in.rewrite_block_indptr[kw + 1] - lo;
+      r[st::kCol0] = 0;
+      r[st::kCount] = count;
+      std::copy_n(in.rewrite_block_ids + lo, count, blocks + off);
+      off += count;
+    } else {
+      app_start_[i] = static_cast<int32_t>(off);
+      r[st::kCol0] = prev_nblocks_[remap_[i]];
+      r[st::kCount] = app_count_[i];
+      off += app_count_[i];
+    }
   }
   for (int64_t e = 0; e < in.a; ++e) blocks[app_start_[in.append_rows[e]]++] = in.append_block_ids[e];
 

@@ -1,5 +1,5 @@
 // StepPacker: all per-step host work that grows with the number of rows, in one
-// O(N + M + A) pass: remap, validation and packing of the staging record
+// O(N + M + A + X) pass: remap, validation and packing of the staging record
 // (layout in staging.h). Keeps a small mirror of the previous step's rows
 // (request id, first position, block count) so that bad input is caught on the
 // host, before anything is written or uploaded.
@@ -37,6 +37,13 @@ struct StepInput {
   const int32_t* append_rows;       // [a] carried rows that got a block this step
   const int32_t* append_block_ids;  // [a] the block, appended after the row's last one
   int64_t a;
+  // Carried rows whose block list changed other than by an append (prefix-sharing swaps,
+  // copy-on-write, swap-in, defragmentation): each row's whole block list after this step.
+  const int32_t* rewrite_rows = nullptr;          // [x]
+  const int32_t* rewrite_block_indptr = nullptr;  // [x + 1] CSR offsets into rewrite_block_ids
+  const int32_t* rewrite_block_ids = nullptr;     // [y]
+  int64_t x = 0;
+  int64_t y = 0;
 };
 
 class StepPacker {
@@ -63,11 +70,13 @@ class StepPacker {
   void commit_index(const StepInput& in);
   void validate_new_rows(const StepInput& in);
   void validate_appends(const StepInput& in);
+  void validate_rewrites(const StepInput& in);
 
   PackerConfig cfg_;
   RequestIndex index_;  // request id -> row of the previous step
   RowIndex new_ids_;    // ids absent from the previous step, for duplicate checks
   std::vector<int32_t> remap_, rec_of_row_, app_count_, app_start_, app_order_;
+  std::vector<int32_t> rw_of_row_;  // per row: its index in rewrite_rows, or -1
   std::vector<int32_t> taken_by_;  // per previous row: 1 + the row that holds it now, or 0
   std::vector<int32_t> moved_;     // rows whose request is not where it was
   std::vector<int64_t> prev_ids_;

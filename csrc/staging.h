@@ -24,7 +24,8 @@
 // that token (pos0), and its whole block-table row: col0 = 0, `count` block ids
 // at BLOCKS[blk_off:]. A record of a carried row carries only the blocks appended
 // this step: token = pos0 = -1, they land at columns [col0, col0 + count), where
-// col0 is the row's block count before the append. Size: 8 + 2N + 5M + L words,
+// col0 is the row's block count before the append; or, when the row's earlier blocks
+// changed (rewrite_rows), its whole block list: col0 = 0, token = pos0 = -1. Size: 8 + 2N + 5M + L words,
 // independent of context length and block-table width for carried rows.
 #pragma once
 #include <cstdint>

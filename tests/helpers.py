@@ -96,13 +96,17 @@ class TraceGen:
         seed: an int seed for numpy's generator, or an object with the methods of
             ``numpy.random.Generator`` used here (random, integers, choice, permutation): the
             property tests pass one that draws every choice from hypothesis.
+        rewrite: the chance that a carried row's block list changes other than by an append
+            in a step (a runner's prefix-sharing swap, copy-on-write, swap-in or
+            defragmentation): some of its blocks are replaced by free ones (the old ones
+            freed), or its blocks are permuted; such a row is staged in ``rewrites``.
     """
 
     def __init__(self, seed, *, max_num_reqs, block_size, max_blocks, num_kv_blocks, vocab,
-                 big=False):
+                 big=False, rewrite=0.0):
         self.rng = np.random.default_rng(seed) if isinstance(seed, (int, np.integer)) else seed
         self.max_num_reqs, self.bs, self.w = max_num_reqs, block_size, max_blocks
-        self.vocab, self.big = vocab, big
+        self.vocab, self.big, self.rewrite = vocab, big, rewrite
         self.free = [int(b) for b in self.rng.permutation(np.arange(1, num_kv_blocks))]
         self.rows: list[Req] = []  # the previous step's rows, in order
         self.returning: list[Req] = []  # absent last step or preempted: come back with payload
@@ -185,6 +189,12 @@ class TraceGen:
             r = rows.pop()
             new.discard(r.rid)
             self.returning.insert(0, r)
+        rewritten = set()
+        if self.rewrite:
+            for r in rows:  # the runner changes earlier blocks of carried rows
+                if r.rid not in new and rng.random() < self.rewrite:
+                    rewritten.add(r.rid)
+                    self._rewrite_blocks(r, rows)
         appends = []
         for i, r in enumerate(rows):  # carried rows crossing into a new block
             if r.rid not in new and r.pos // self.bs >= len(r.blocks):
@@ -196,15 +206,37 @@ class TraceGen:
                     rows[i] = None
                     continue
                 r.blocks.append(b[0])
-                appends.append((i, b[0]))
+                if r.rid not in rewritten:  # a rewritten row's list holds the new block
+                    appends.append((i, b[0]))
         if None in rows:  # preempted rows above: drop them, earlier appends shift
             keep = [i for i, r in enumerate(rows) if r is not None]
             shift = {old: new_i for new_i, old in enumerate(keep)}
             appends = [(shift[i], b) for i, b in appends]
             rows = [rows[i] for i in keep]
         payload = {i: (r.token, r.pos, r.blocks) for i, r in enumerate(rows) if r.rid in new}
+        rewrites = {i: list(r.blocks) for i, r in enumerate(rows) if r.rid in rewritten}
         self.rows = rows
-        return DecodeStep.build([r.rid for r in rows], payload, appends), rows
+        return DecodeStep.build([r.rid for r in rows], payload, appends, rewrites), rows
+
+    def _rewrite_blocks(self, r, rows):
+        """Permute r's blocks, or replace some of them (the old ones freed) by free blocks
+        (swap-in, copy-on-write, defragmentation) or by blocks of another row (prefix sharing:
+        ids only, the truth is metadata, not KV contents)."""
+        rng, k = self.rng, len(r.blocks)
+        if k >= 2 and rng.random() < 0.3:
+            r.blocks = [r.blocks[i] for i in rng.permutation(k)]
+            return
+        others = [b for o in rows if o is not r for b in o.blocks]
+        for c in rng.choice(k, int(rng.integers(1, k + 1)), replace=False):
+            if others and rng.random() < 0.5:
+                b = others[int(rng.integers(0, len(others)))]
+            else:
+                fresh = self._alloc(1)
+                if fresh is None:
+                    continue
+                b = fresh[0]
+            self.free.append(r.blocks[c])
+            r.blocks[c] = b
 
     def sampled(self, rows):
         """Sample a token for each row (what the model would do); returns int32 [N]."""

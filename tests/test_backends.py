@@ -55,6 +55,92 @@ def test_random_trace_matches_truth(seed, capture):
     assert paths == {True, False}, "trace must cover bucketed and eager (too large) steps"
 
 
+# --- carried rows whose earlier blocks the runner rewrote (issue 15, kind 1) ------------------
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_trace_with_rewritten_rows_matches_truth(seed):
+    """Carried rows whose block lists change other than by an append (blocks swapped for free
+    ones, shared with other rows, permuted; in place, moved, with a block crossed the same
+    step): both backends equal the per-request truth at every step."""
+    gen = TraceGen(seed, max_num_reqs=24, block_size=BS, max_blocks=W, num_kv_blocks=NUM_BLOCKS,
+                   vocab=VOCAB, big=True, rewrite=0.25)
+    dev, host = make("device"), make("host")
+    prev, rewritten, moved = [], 0, 0
+    for _ in range(30):
+        step, rows = gen.next_step()
+        for b in (dev, host):
+            md = b.prepare(step)
+            check(md, rows, md.padded_size)
+        rewritten += len(step.rewrite_rows)
+        moved += sum(1 for i in step.rewrite_rows.tolist()
+                     if i >= len(prev) or prev[i] != rows[i].rid)
+        prev = [r.rid for r in rows]
+        toks = torch.from_numpy(gen.sampled(rows)).to(DEVICE)
+        for b in (dev, host):
+            b.buffers.sampled[: len(rows)] = toks
+    assert rewritten >= 20 and moved >= 3, (rewritten, moved)
+
+
+def _run_script(kind, script):
+    """Feeds ``script`` (per step: req_ids, new, appends, rewrites) to a backend; the truth of
+    each request is kept by id (tokens sampled: 100 + row). Returns each step's metadata."""
+    b = make(kind, max_num_reqs=4, buckets=(4,))
+    truth, got = {}, []
+    for req_ids, new, appends, rewrites in script:
+        for i, rid in enumerate(req_ids):
+            if i in new:
+                truth[rid] = Req(rid, new[i][0], new[i][1], list(new[i][2]))
+            elif i in rewrites:
+                truth[rid].blocks = list(rewrites[i])
+        for i, blk in appends:
+            truth[req_ids[i]].blocks.append(blk)
+        rows = [truth[rid] for rid in req_ids]
+        md = b.prepare(DecodeStep.build(req_ids, new, appends, rewrites))
+        check(md, rows, md.padded_size)
+        got.append({f: getattr(md, f).tolist() for f in ("positions", "slot_mapping")})
+        got[-1]["block_table"] = md.block_table[: len(rows)].tolist()
+        b.buffers.sampled[: len(rows)] = torch.arange(len(rows), dtype=torch.int32) + 100
+        for i, r in enumerate(rows):
+            r.token, r.pos = 100 + i, r.pos + 1
+    return got
+
+
+REWRITE_SCRIPT = [
+    # step 0: request 1 at position 6 (blocks 7, 8), 2 at 3 (block 9), 4 at 1 (20, 21, 22)
+    ([1, 2, 4], {0: (5, 6, [7, 8]), 1: (6, 3, [9]), 2: (7, 1, [20, 21, 22])}, [], {}),
+    # step 1: request 1's first block swapped for 11, in place; 2 crosses into block 12
+    ([1, 2, 4], {}, [(1, 12)], {0: [11, 8]}),
+    # step 2: request 1 moves to row 2 and crosses a block within its rewrite (13, 14, 15);
+    # request 4 moves to row 0 and shrinks to one block, over a row that held two
+    ([4, 2, 1], {}, [], {0: [23], 2: [13, 14, 15]}),
+    # step 3: request 4 crosses: appended after its rewritten list; 1 carried, no append
+    ([4, 2, 1], {}, [(0, 24)], {}),
+    # step 4: request 2 gets blocks ahead (30, 32) by a rewrite
+    ([4, 2, 1], {}, [], {1: [9, 12, 30, 32]}),
+    # step 5: request 2 shrinks in place with its first block swapped; 1's blocks permuted
+    ([4, 2, 1], {}, [], {1: [31, 12, 30], 2: [15, 13, 14]}),
+]
+
+
+def _row(*blocks):
+    return list(blocks) + [0] * (W - len(blocks))
+
+
+@pytest.mark.parametrize("kind", BACKENDS)
+def test_rewritten_rows_exact(kind):
+    """Hand-written: in place, moved, with a block crossed, growing, shrinking, then carried
+    and appended to; exact block tables and slots (block * 4 + position % 4) of every step."""
+    got = _run_script(kind, REWRITE_SCRIPT)
+    assert got[1]["block_table"][0] == _row(11, 8) and got[1]["slot_mapping"][0] == 35
+    assert got[2]["block_table"] == [_row(23), _row(9, 12), _row(13, 14, 15)]
+    assert got[2]["positions"][:3] == [3, 5, 8] and got[2]["slot_mapping"][:3] == [95, 49, 60]
+    assert got[3]["block_table"][0] == _row(23, 24) and got[3]["slot_mapping"][:3] == [96, 50, 61]
+    assert got[4]["block_table"][1] == _row(9, 12, 30, 32)
+    assert got[4]["slot_mapping"][:3] == [97, 51, 62]
+    assert got[5]["block_table"] == [_row(23, 24), _row(31, 12, 30), _row(15, 13, 14)]
+    assert got[5]["slot_mapping"][:3] == [98, 120, 59]
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="a stalled stream needs a GPU")
 @pytest.mark.parametrize("capture", [False, True])
 def test_stalled_stream_many_steps_in_flight(capture):
@@ -132,7 +218,7 @@ def trace_configs(draw):
     return dict(max_num_reqs=max_num_reqs, block_size=block_size, max_blocks=max_blocks,
                 num_kv_blocks=draw(st.integers(2, 40)), buckets=sorted(sizes),
                 pad_token_id=draw(st.integers(0, VOCAB - 1)), seq_len_fill=draw(st.integers(1, 3)),
-                num_steps=draw(st.integers(1, 10)))
+                num_steps=draw(st.integers(1, 10)), rewrite=draw(st.sampled_from([0.0, 0.3])))
 
 
 @settings(max_examples=15, deadline=None)
@@ -146,7 +232,7 @@ def test_drawn_traces_match_truth(cfg, data):
     backends = [make(kind, cfg["max_num_reqs"], cfg["buckets"], **pool, **sizes, **ledger)
                 for kind in BACKENDS]
     gen = TraceGen(DrawRng(data), max_num_reqs=cfg["max_num_reqs"], vocab=VOCAB, big=True,
-                   **pool, **sizes)
+                   rewrite=cfg["rewrite"], **pool, **sizes)
     for _ in range(cfg["num_steps"]):
         step, rows = gen.next_step()
         n = len(rows)
@@ -269,6 +355,22 @@ BAD = [
     ("append to new row", dict(req_ids=[1, 2, 3], new={2: (1, 0, [1])}, appends=GROW + [(2, 5)]),
      ValueError, "is a new row"),
     ("too many rows", dict(req_ids=list(range(10, 35))), ValueError, "exceed max_num_reqs"),
+    ("rewrite a new row", dict(req_ids=[1, 2, 3], new={2: (1, 0, [1])}, rewrites={2: [5]}),
+     ValueError, r"rewrite_rows: row 2 \(request 3\) is a new row"),
+    ("rewrite and append", dict(req_ids=[1, 2], rewrites={1: [8, 9]}), ValueError,
+     r"rewrite_rows: row 1 \(request 2\) also has append_rows entries"),
+    ("rewrite too few blocks", dict(req_ids=[1, 2], appends=[], rewrites={1: [5]}), ValueError,
+     r"rewrite_block_ids: row 1 \(request 2\) at position 4 needs 2 blocks, got 1"),
+    ("rewrite null block", dict(req_ids=[1, 2], rewrites={0: [0]}), ValueError,
+     r"rewrite_block_ids: row 0 \(request 1\) has block id 0 outside \[1, 400\)"),
+    ("rewrite past pool", dict(req_ids=[1, 2], rewrites={0: [3, NUM_BLOCKS]}), ValueError,
+     "rewrite_block_ids: row 0 .*block id 400"),
+    ("rewrite too wide", dict(req_ids=[1, 2], rewrites={0: [1] * (W + 1)}), ValueError,
+     "rewrite_block_ids: row 0 .* has 7 blocks, more than max_num_blocks_per_req = 6"),
+    ("rewrite row past N", dict(req_ids=[1, 2], rewrites={5: [1]}), ValueError,
+     r"rewrite_rows\[0\] = 5 is outside \[0, 2\)"),
+    ("rewrite unknown request", dict(req_ids=[1, 2, 9], rewrites={2: [3]}), ValueError,
+     "request 9.*no new-row payload"),
 ]
 
 
@@ -279,10 +381,38 @@ def test_invalid_step_changes_nothing(kind, name, kw, exc, match):
     backend.prepare(DecodeStep.build([1, 2], {0: (5, 2, [7]), 1: (6, 3, [8])}))
     before = snapshot(backend.buffers)
     with pytest.raises(exc, match=match):
-        backend.prepare(DecodeStep.build(kw["req_ids"], kw.get("new"), kw.get("appends", GROW)))
+        backend.prepare(DecodeStep.build(kw["req_ids"], kw.get("new"), kw.get("appends", GROW),
+                                         kw.get("rewrites")))
     assert unchanged(backend.buffers, before)
     md = backend.prepare(DecodeStep.build([1, 2], appends=GROW))  # the mirror is intact
     assert md.positions.tolist() == [3, 4] and md.slot_mapping.tolist() == [31, 36]
+
+
+@pytest.mark.parametrize("kind", BACKENDS)
+@pytest.mark.parametrize("fields,exc,match", [
+    (dict(rewrite_rows=[0, 0], rewrite_block_indptr=[0, 1, 2], rewrite_block_ids=[3, 4]),
+     ValueError, "rewrite_rows: row 0 appears twice, at positions 0 and 1"),
+    (dict(rewrite_rows=[0], rewrite_block_indptr=[0, 2], rewrite_block_ids=[3]), ValueError,
+     r"rewrite_block_indptr\[-1\] must equal len\(rewrite_block_ids\) = 1, got 2"),
+    (dict(rewrite_rows=[0], rewrite_block_indptr=[1, 1], rewrite_block_ids=[3]), ValueError,
+     r"rewrite_block_indptr\[0\] must be 0, got 1"),
+    (dict(rewrite_rows=[0, 1], rewrite_block_indptr=[0, 2, 1], rewrite_block_ids=[3]),
+     ValueError, "rewrite_block_indptr must be non-decreasing, drops at 1"),
+    (dict(rewrite_rows=[0], rewrite_block_indptr=[0], rewrite_block_ids=[3]), ValueError,
+     r"rewrite_block_indptr must have len\(rewrite_rows\) \+ 1 = 2 elements, got 1"),
+], ids=["duplicate", "indptr end", "indptr start", "indptr drops", "indptr length"])
+def test_invalid_rewrite_arrays_change_nothing(kind, fields, exc, match):
+    """Rewrite fields that DecodeStep.build cannot produce (a row twice, a bad CSR), given to
+    the constructor: refused by the packer before anything is written."""
+    backend = make(kind)
+    backend.prepare(DecodeStep.build([1, 2], {0: (5, 2, [7]), 1: (6, 3, [8])}))
+    before = snapshot(backend.buffers)
+    with pytest.raises(exc, match=match):
+        backend.prepare(DecodeStep(req_ids=[1, 2], append_rows=[1], append_block_ids=[9],
+                                   **fields))
+    assert unchanged(backend.buffers, before)
+    md = backend.prepare(DecodeStep.build([1, 2], appends=GROW, rewrites={0: [10]}))
+    assert md.positions.tolist() == [3, 4] and md.slot_mapping.tolist() == [43, 36]
 
 
 # --- the pad token must be a token of the model (fault 5) -----------------------------------

@@ -10,15 +10,17 @@ import pytest
 from zos import DecodeStep
 
 FIELDS = ("req_ids", "new_rows", "new_tokens", "new_positions", "new_block_indptr",
-          "new_block_ids", "append_rows", "append_block_ids")
+          "new_block_ids", "append_rows", "append_block_ids", "rewrite_rows",
+          "rewrite_block_indptr", "rewrite_block_ids")
 I32_MIN, I32_MAX, I64_MIN, I64_MAX = -2**31, 2**31 - 1, -2**63, 2**63 - 1
 
 
 def build_with(field, value):
-    """DecodeStep.build of a valid step (rows 0 and 2 new, row 1 carried and growing) with
-    ``value`` put into ``field``."""
-    req_ids, appends = [10, 11, 12], [(1, 4)]
+    """DecodeStep.build of a valid step (rows 0 and 2 new, row 1 carried and growing, row 3
+    carried with its block list rewritten) with ``value`` put into ``field``."""
+    req_ids, appends = [10, 11, 12, 13], [(1, 4)]
     new = {0: (5, 3, [1, 2]), 2: (6, 0, [3])}
+    rewrites = {3: [7, 8]}
     if field == "req_ids":
         req_ids = [10, value, 12]
     elif field == "new_rows":  # the bad key first: a key equal to it later keeps it
@@ -33,10 +35,14 @@ def build_with(field, value):
         appends = [(value, 4)]
     elif field == "append_block_ids":
         appends = [(1, value)]
-    return DecodeStep.build(req_ids, new, appends)
+    elif field == "rewrite_rows":  # the bad key first, as for new_rows
+        rewrites = {value: rewrites[3]}
+    elif field == "rewrite_block_ids":
+        rewrites = {3: [7, value]}
+    return DecodeStep.build(req_ids, new, appends, rewrites)
 
 
-BUILD_FIELDS = [f for f in FIELDS if f != "new_block_indptr"]  # build computes the indptr
+BUILD_FIELDS = [f for f in FIELDS if not f.endswith("_indptr")]  # build computes the indptrs
 
 
 def _out_of_range(field):
@@ -61,17 +67,21 @@ def test_build_valid_step_exact():
     step = DecodeStep.build(np.array([7, I64_MAX, I64_MIN], np.int64),
                             {2: (np.int32(I32_MAX), 0, range(8, 10)),
                              0: (4, I32_MAX, np.array([I32_MAX], np.int64))},
-                            [(1, I32_MIN), (np.int64(1), 6)])
+                            [(1, I32_MIN), (np.int64(1), 6)],
+                            {np.int64(1): np.array([3, I32_MAX], np.int64), 0: range(2)})
     got = {f: (getattr(step, f).dtype, getattr(step, f).tolist()) for f in FIELDS}
     i32 = np.dtype(np.int32)
     assert got == {"req_ids": (np.dtype(np.int64), [7, I64_MAX, I64_MIN]),
                    "new_rows": (i32, [0, 2]), "new_tokens": (i32, [4, I32_MAX]),
                    "new_positions": (i32, [I32_MAX, 0]), "new_block_indptr": (i32, [0, 1, 3]),
                    "new_block_ids": (i32, [I32_MAX, 8, 9]), "append_rows": (i32, [1, 1]),
-                   "append_block_ids": (i32, [I32_MIN, 6])}
+                   "append_block_ids": (i32, [I32_MIN, 6]), "rewrite_rows": (i32, [0, 1]),
+                   "rewrite_block_indptr": (i32, [0, 2, 4]),
+                   "rewrite_block_ids": (i32, [0, 1, 3, I32_MAX])}
     assert step.num_reqs == 3
     empty = DecodeStep.build([])
-    assert [getattr(empty, f).tolist() for f in FIELDS] == [[], [], [], [], [0], [], [], []]
+    assert [getattr(empty, f).tolist() for f in FIELDS] == [[], [], [], [], [0], [], [], [], [],
+                                                            [0], []]
 
 
 def test_build_reported_cases():
@@ -94,7 +104,7 @@ def test_build_out_of_range(field, value):
 @pytest.mark.parametrize("field", BUILD_FIELDS)
 @pytest.mark.parametrize("value", WRONG_TYPE, ids=repr)
 def test_build_wrong_type(field, value):
-    if field == "new_rows" and isinstance(value, (list, dict)):  # a dict key: hashable
+    if field in ("new_rows", "rewrite_rows") and isinstance(value, (list, dict)):  # a dict key
         value = tuple(value) if isinstance(value, list) else frozenset(value)
     with pytest.raises(TypeError) as err:
         build_with(field, value)
@@ -130,6 +140,11 @@ def test_build_block_ids_not_ints(bad, match):
     (([1], None, [(0, 1, 2)]), TypeError,
      r"appends\[0\] must be a \(row, block_id\) pair, got \(0, 1, 2\)"),
     (([1], None, [3]), TypeError, r"appends\[0\] must be a \(row, block_id\) pair, got 3"),
+    (([1], None, (), [(0, [1])]), TypeError, r"rewrites must be a mapping \{row: block_ids\}"),
+    (([1], None, (), {0: 5}), TypeError,
+     r"rewrite_block_ids of rewritten row 0 must be a sequence of ints, got int 5"),
+    (([1], None, (), {0: [[1]]}), TypeError,
+     r"rewrite_block_ids\[0\] of rewritten row 0 must be an int, got list \[1\]"),
     ((7,), TypeError, r"req_ids must be a sequence of ints, got int 7"),
     (("123",), TypeError, r"req_ids must be a sequence of ints, got str '123'"),
     ((np.array([1.0, 2.0]),), TypeError,
@@ -144,7 +159,8 @@ def test_build_argument_shapes(args, exc, match):
 def _valid_fields():
     return dict(req_ids=[10, 11], new_rows=[1], new_tokens=[5], new_positions=[0],
                 new_block_indptr=[0, 1], new_block_ids=[3], append_rows=[0],
-                append_block_ids=[4])
+                append_block_ids=[4], rewrite_rows=[0], rewrite_block_indptr=[0, 2],
+                rewrite_block_ids=[5, 6])
 
 
 def _lo_hi(field):

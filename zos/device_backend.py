@@ -143,7 +143,9 @@ class DeviceMetadataBackend(MetadataBackend):
         k = up.acquire() if up is not None else 0
         words = self.packer.pack(step.req_ids, step.new_rows, step.new_tokens,
                                  step.new_positions, step.new_block_indptr, step.new_block_ids,
-                                 step.append_rows, step.append_block_ids, self._pinned_np[k])
+                                 step.append_rows, step.append_block_ids, self._pinned_np[k],
+                                 step.rewrite_rows, step.rewrite_block_indptr,
+                                 step.rewrite_block_ids)
         if up is not None:
             try:
                 up.submit(k, 4 * words, self._stream_handle)

@@ -78,7 +78,9 @@ def _make_build_rows(HEADER_WORDS, RECORD_WORDS, NUM_REQS, NUM_RECORDS,
                     off = blk0 + rec[at + R_BLK_OFF]
                     block_table[r, col0:col0 + cnt] = rec[off:off + cnt]
                     nb_new = col0 + cnt
-                block_table[r, nb_new:old_nb] = null_block
+                # past the row's blocks: a previous occupant's or (a rewritten list that
+                # shrank) the columns gathered from scratch
+                block_table[r, nb_new:max(old_nb, nb_src)] = null_block
                 num_blocks_per_row[r] = nb_new
                 for t in range(q):
                     p = pos0 + t
@@ -195,7 +197,8 @@ class HostMetadataBackend(MetadataBackend):
             self.packer.apply_accepted(self._accepted_np[:prev], 0)
         self.packer.pack(step.req_ids, step.new_rows, step.new_tokens, step.new_positions,
                          step.new_block_indptr, step.new_block_ids, step.append_rows,
-                         step.append_block_ids, self._record)
+                         step.append_block_ids, self._record, step.rewrite_rows,
+                         step.rewrite_block_indptr, step.rewrite_block_ids)
         plan = self.plan(step.num_reqs, min_padded_size)
         if prev and not self.input_ids_from_device:
             self._sampled[:prev].copy_(b.sampled[:prev])  # synchronous read-back

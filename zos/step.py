@@ -48,6 +48,31 @@ def _ints(name: str, values, dtype: np.dtype, label=None) -> np.ndarray:
     return np.array(values, dtype=dtype)
 
 
+def _block_lists(name: str, kind: str, rows: list, lists: list) -> tuple[np.ndarray, np.ndarray]:
+    """CSR of one block list per row: (indptr int64 [len(rows)+1], ids int32 [L]).
+
+    ``lists[k]`` (any iterable of ints, or an integer array) belongs to row ``rows[k]``;
+    messages name ``name``, the element, ``kind`` and the row.
+    """
+    flat, ends = [], [0]
+    for r, block_ids in zip(rows, lists):
+        try:
+            if isinstance(block_ids, (str, bytes)):
+                raise TypeError
+            flat.extend(block_ids)
+        except TypeError:
+            raise TypeError(f"{name} of {kind} {r} must be a sequence of ints, got "
+                            f"{type(block_ids).__name__} {block_ids!r}") from None
+        ends.append(len(flat))
+    indptr = np.array(ends, np.int64)
+
+    def label(i: int) -> str:
+        k = int(np.searchsorted(indptr, i, "right")) - 1
+        return f"{name}[{i - indptr[k]}] of {kind} {rows[k]}"
+
+    return indptr, _ints(name, flat, _I32, label)
+
+
 @dataclass
 class DecodeStep:
     """One decode step as the scheduler knows it (host numpy arrays).
@@ -70,6 +95,13 @@ class DecodeStep:
             [1, num_kv_blocks); block 0 is the null block).
         append_rows: int32 [A], carried rows that get a block this step.
         append_block_ids: int32 [A], the block appended after that row's last.
+        rewrite_rows: int32 [X], carried rows whose block list changed other than by an
+            append (prefix-sharing swaps, copy-on-write, swap-in from CPU offload,
+            defragmentation): their token and position carry over as for any carried row,
+            their block-table row is replaced. Such a row is not in ``append_rows``.
+        rewrite_block_indptr: int32 [X+1], CSR offsets of each rewritten row's block ids.
+        rewrite_block_ids: int32 [Y], each rewritten row's whole block-table row after this
+            step (blocks appended this step included).
 
     Every field takes a numpy integer array or a sequence of ints; nothing is cast.
 
@@ -88,11 +120,15 @@ class DecodeStep:
     new_block_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     append_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     append_block_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    rewrite_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    rewrite_block_indptr: np.ndarray = field(default_factory=lambda: np.zeros(1, np.int32))
+    rewrite_block_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
 
     def __post_init__(self) -> None:
         self.req_ids = _ints("req_ids", self.req_ids, _I64)
         for name in ("new_rows", "new_tokens", "new_positions", "new_block_indptr",
-                     "new_block_ids", "append_rows", "append_block_ids"):
+                     "new_block_ids", "append_rows", "append_block_ids", "rewrite_rows",
+                     "rewrite_block_indptr", "rewrite_block_ids"):
             setattr(self, name, _ints(name, getattr(self, name), _I32))
 
     @property
@@ -106,6 +142,7 @@ class DecodeStep:
         req_ids: Sequence[int],
         new: Mapping[int, tuple[int, int, Sequence[int]]] | None = None,
         appends: Iterable[tuple[int, int]] = (),
+        rewrites: Mapping[int, Sequence[int]] | None = None,
     ) -> DecodeStep:
         """Convenience constructor from Python objects.
 
@@ -114,12 +151,15 @@ class DecodeStep:
             new: ``{row: (token, position, block_ids)}`` for new rows (``block_ids`` any
                 iterable of ints, or an integer array).
             appends: ``(row, block_id)`` pairs, in append order.
+            rewrites: ``{row: block_ids}`` for carried rows whose block list changed other
+                than by an append: the row's whole block list after this step.
 
         Raises:
             TypeError, ValueError: as the constructor, naming the field it would fill
                 (``req_ids``, ``new_rows``, ``new_tokens``, ``new_positions``,
-                ``new_block_ids``, ``append_rows``, ``append_block_ids``) and the row;
-                also an argument of the wrong shape (``new``, an entry of it, ``appends``).
+                ``new_block_ids``, ``append_rows``, ``append_block_ids``, ``rewrite_rows``,
+                ``rewrite_block_ids``) and the row; also an argument of the wrong shape
+                (``new``, an entry of it, ``appends``, ``rewrites``).
         """
         if new is None:
             new = {}
@@ -129,27 +169,28 @@ class DecodeStep:
         keys = list(new)
         rows = _ints("new_rows", keys, _I32, lambda i: f"new_rows: the key {keys[i]!r} of new")
         keys = [keys[i] for i in np.argsort(rows, kind="stable")]
-        entries, flat, ends = [], [], [0]
+        entries, lists = [], []
         for r in keys:
             try:
                 token, position, block_ids = new[r]
             except (TypeError, ValueError):
                 raise TypeError(f"new[{r}] must be (token, position, block_ids), got "
                                 f"{new[r]!r}") from None
-            try:
-                if isinstance(block_ids, (str, bytes)):
-                    raise TypeError
-                flat.extend(block_ids)
-            except TypeError:
-                raise TypeError(f"new_block_ids of new row {r} must be a sequence of ints, got "
-                                f"{type(block_ids).__name__} {block_ids!r}") from None
             entries.append((token, position))
-            ends.append(len(flat))
-        indptr = np.array(ends, np.int64)
+            lists.append(block_ids)
+        indptr, flat = _block_lists("new_block_ids", "new row", keys, lists)
 
-        def block_label(i: int) -> str:
-            k = int(np.searchsorted(indptr, i, "right")) - 1
-            return f"new_block_ids[{i - indptr[k]}] of new row {keys[k]}"
+        if rewrites is None:
+            rewrites = {}
+        if not isinstance(rewrites, Mapping):
+            raise TypeError(f"rewrites must be a mapping {{row: block_ids}}, got "
+                            f"{type(rewrites).__name__}")
+        rw_keys = list(rewrites)
+        rw_rows = _ints("rewrite_rows", rw_keys, _I32,
+                        lambda i: f"rewrite_rows: the key {rw_keys[i]!r} of rewrites")
+        rw_keys = [rw_keys[i] for i in np.argsort(rw_rows, kind="stable")]
+        rw_indptr, rw_flat = _block_lists("rewrite_block_ids", "rewritten row", rw_keys,
+                                          [rewrites[r] for r in rw_keys])
 
         if not isinstance(appends, Iterable):
             raise TypeError(f"appends must be an iterable of (row, block_id) pairs, got "
@@ -169,7 +210,10 @@ class DecodeStep:
             new_positions=_ints("new_positions", [e[1] for e in entries], _I32,
                                 lambda i: f"new_positions of new row {keys[i]}"),
             new_block_indptr=indptr,
-            new_block_ids=_ints("new_block_ids", flat, _I32, block_label),
+            new_block_ids=flat,
             append_rows=_ints("append_rows", [p[0] for p in pairs], _I32),
             append_block_ids=_ints("append_block_ids", [p[1] for p in pairs], _I32),
+            rewrite_rows=np.sort(rw_rows),
+            rewrite_block_indptr=rw_indptr,
+            rewrite_block_ids=rw_flat,
         )
