@@ -11,6 +11,8 @@ import torch
 from zos.integrations.hf_rows import TMP_TOKEN_ID, ZosDecodeRows
 from zos.integrations.transformers import ZosOptions
 
+from helpers import DEVICE
+
 BS = 4
 
 
@@ -27,7 +29,7 @@ def request(rid, pos, token):
 
 def rows_for(tables):
     cfg = SimpleNamespace(vocab_size=100, max_position_embeddings=64)
-    return ZosDecodeRows(fake_cache(tables), cfg, 8, torch.device("cpu"), None,
+    return ZosDecodeRows(fake_cache(tables), cfg, 8, torch.device(DEVICE), None,
                          ZosOptions(bucket_policy=None), graphed=False, async_carry=True)
 
 
@@ -87,7 +89,7 @@ def test_in_graph_takes_tokens_in_flight_from_the_previous_output():
     rows = rows_for(tables)
     reqs = [request("b", 2, TMP_TOKEN_ID), request("c", 1, 42), request("a", 6, 77)]
     md = rows.stage(rows.build_step(reqs, {"b": 2, "a": 9}))
-    prev = torch.arange(100, 100 + 8 + 1, dtype=torch.int32).unsqueeze(0)  # [1, R + 1]
+    prev = torch.arange(100, 100 + 8 + 1, dtype=torch.int32, device=DEVICE).unsqueeze(0)
     rows.in_graph(md, prev)
     assert md.input_ids[:3].tolist() == [100, 42, 101]
     assert md.positions[:3].tolist() == [2, 1, 6]
