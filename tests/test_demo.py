@@ -81,7 +81,7 @@ def test_helpers():
     assert auto_num_blocks(s, 16, 8, 96) == 1 + max(6, round(0.5 * 8 * (4 + 4 + 5 + 1) / 4)) == 15
 
 
-TINY = ["demo", "--tiny", "--weights", "random", "--block-size", "8", "--quiet"]
+TINY = ["demo", "--tiny", "--weights", "random", "--block-size", "8", "--quiet", "--repeats", "1"]
 
 
 @pytest.fixture(scope="module")

@@ -351,11 +351,11 @@ def test_fastest_mode_fills_only_what_the_user_left_open():
 
     open_cfg = ContinuousBatchingConfig()
     got = _fastest_mode(open_cfg, Model("cuda"))
-    assert got.use_cuda_graph is True and got.use_async_batching is True
+    assert got.use_cuda_graph == (False, True) and got.use_async_batching is True
     assert open_cfg.use_cuda_graph is None and open_cfg.use_async_batching is None
     mixed = ContinuousBatchingConfig(use_async_batching=False)
     got = _fastest_mode(mixed, Model("cuda"))
-    assert got.use_cuda_graph is True and got.use_async_batching is False
+    assert got.use_cuda_graph == (False, True) and got.use_async_batching is False
     assert _fastest_mode(open_cfg, Model("cpu")) is open_cfg
     compiled = ContinuousBatchingConfig(decode_compile_config=CompileConfig())
     assert _fastest_mode(compiled, Model("cuda")) is compiled
@@ -418,9 +418,9 @@ def test_compile_configs_keep_transformers_path():
                                                  (None, None)])
 def test_cuda_async_and_graphs_match_transformers(graphs, asynchronous):
     """On the GPU, float32: zos with transformers' graphs and/or async batching (None: zos's
-    default, both on) gives exactly transformers' tokens in the same mode, through rows joining
-    (prefill steps between zos steps: tokens in flight reach rows new to zos on the device),
-    rows leaving and padded buckets."""
+    default, decode graphs and async on) gives exactly transformers' tokens (graphs and async
+    on), through rows joining (prefill steps between zos steps: tokens in flight reach rows
+    new to zos on the device), rows leaving and padded buckets."""
     model = tiny_llama(11)
     inputs = prompts(11, (3, 17, 1, 9, 30, 5, 2, 12, 7, 21), model.config.vocab_size)
     kw = dict(use_cuda_graph=graphs, use_async_batching=asynchronous, max_requests_per_batch=4,
