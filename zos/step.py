@@ -73,6 +73,20 @@ def _block_lists(name: str, kind: str, rows: list, lists: list) -> tuple[np.ndar
     return indptr, _ints(name, flat, _I32, label)
 
 
+def _keyed_rows(name: str, arg, value: str, field_name: str):
+    """``(mapping, rows, keys)`` of a ``{row: value}`` argument of ``DecodeStep.build`` (None:
+    empty): ``rows`` int32, sorted; ``keys`` the mapping's keys in that order. TypeError unless
+    a mapping; the keys are checked as ``field_name`` (message naming the key)."""
+    if arg is None:
+        arg = {}
+    if not isinstance(arg, Mapping):
+        raise TypeError(f"{name} must be a mapping {{row: {value}}}, got {type(arg).__name__}")
+    keys = list(arg)
+    rows = _ints(field_name, keys, _I32, lambda i: f"{field_name}: the key {keys[i]!r} of {name}")
+    order = np.argsort(rows, kind="stable")
+    return arg, rows[order], [keys[i] for i in order]
+
+
 @dataclass
 class DecodeStep:
     """One decode step as the scheduler knows it (host numpy arrays).
@@ -161,14 +175,7 @@ class DecodeStep:
                 ``rewrite_block_ids``) and the row; also an argument of the wrong shape
                 (``new``, an entry of it, ``appends``, ``rewrites``).
         """
-        if new is None:
-            new = {}
-        if not isinstance(new, Mapping):
-            raise TypeError(f"new must be a mapping {{row: (token, position, block_ids)}}, "
-                            f"got {type(new).__name__}")
-        keys = list(new)
-        rows = _ints("new_rows", keys, _I32, lambda i: f"new_rows: the key {keys[i]!r} of new")
-        keys = [keys[i] for i in np.argsort(rows, kind="stable")]
+        new, rows, keys = _keyed_rows("new", new, "(token, position, block_ids)", "new_rows")
         entries, lists = [], []
         for r in keys:
             try:
@@ -180,15 +187,8 @@ class DecodeStep:
             lists.append(block_ids)
         indptr, flat = _block_lists("new_block_ids", "new row", keys, lists)
 
-        if rewrites is None:
-            rewrites = {}
-        if not isinstance(rewrites, Mapping):
-            raise TypeError(f"rewrites must be a mapping {{row: block_ids}}, got "
-                            f"{type(rewrites).__name__}")
-        rw_keys = list(rewrites)
-        rw_rows = _ints("rewrite_rows", rw_keys, _I32,
-                        lambda i: f"rewrite_rows: the key {rw_keys[i]!r} of rewrites")
-        rw_keys = [rw_keys[i] for i in np.argsort(rw_rows, kind="stable")]
+        rewrites, rw_rows, rw_keys = _keyed_rows("rewrites", rewrites, "block_ids",
+                                                 "rewrite_rows")
         rw_indptr, rw_flat = _block_lists("rewrite_block_ids", "rewritten row", rw_keys,
                                           [rewrites[r] for r in rw_keys])
 
@@ -204,7 +204,7 @@ class DecodeStep:
             pairs.append((row, block_id))
         return cls(
             req_ids=_ints("req_ids", req_ids, _I64),
-            new_rows=np.sort(rows),
+            new_rows=rows,
             new_tokens=_ints("new_tokens", [e[0] for e in entries], _I32,
                              lambda i: f"new_tokens of new row {keys[i]}"),
             new_positions=_ints("new_positions", [e[1] for e in entries], _I32,
@@ -213,7 +213,7 @@ class DecodeStep:
             new_block_ids=flat,
             append_rows=_ints("append_rows", [p[0] for p in pairs], _I32),
             append_block_ids=_ints("append_block_ids", [p[1] for p in pairs], _I32),
-            rewrite_rows=np.sort(rw_rows),
+            rewrite_rows=rw_rows,
             rewrite_block_indptr=rw_indptr,
             rewrite_block_ids=rw_flat,
         )

@@ -5,8 +5,8 @@ Both subclass transformers' own IO class and change four of its methods, for dec
 batches only (:class:`~zos.integrations.hf_rows.ZosDecodeRows` says which):
 
 * ``prepare_batch_tensors``: zos stages the step (one H2D copy of its record on the compute
-  stream) and does
-  transformers' per-request bookkeeping (positions, placeholder tokens, output positions);
+  stream) and does transformers' per-request bookkeeping (positions, placeholder tokens,
+  output positions);
 * ``get_model_kwargs``: the model reads zos's buffers (``"paged|zos"`` attention);
 * ``carry_over_tokens``: transformers calls it first inside the function it runs or captures
   (``ModelRunner._forward_process_and_sample``): zos's device work goes there, so with
@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from zos.integrations.hf_rows import ZosDecodeRows, graph_key
+from zos.integrations.hf_rows import TMP_TOKEN_ID, ZosDecodeRows, graph_key
 
 _CLASSES = None
 
@@ -38,7 +38,7 @@ def _bookkeeping(io, requests, logits_processors) -> None:
     for i, fs in enumerate(requests):
         st = fs.state
         st.position_offset += 1
-        st.tokens_to_process = [-1]  # transformers' TMP_TOKEN_ID: sampled by this step
+        st.tokens_to_process = [TMP_TOKEN_ID]  # sampled by this step
         positions[st.request_id] = i
     if logits_processors.tensors_required:
         logits_processors.prepare_tensor_args(
@@ -69,6 +69,16 @@ def _build_step(zos, requests, prev_positions):
     return built
 
 
+def _zos_rows(serves: bool, kw: dict, max_requests: int, stream, *, async_carry: bool):
+    """The IOs' :class:`ZosDecodeRows` (None when zos serves no step of the run), from the IO
+    constructor's keyword arguments ``kw``."""
+    if not serves:
+        return None
+    return ZosDecodeRows(kw["cache"], kw["config"], max_requests, kw["device"], stream,
+                         kw["options"], async_carry=async_carry,
+                         graphed=kw["continuous_batching_config"].cuda_graph_booleans[1])
+
+
 def _timed(options, path: str, t0: float) -> None:
     if options.timings is not None:
         options.timings.append((path, time.perf_counter() - t0))
@@ -94,10 +104,8 @@ def _build():
             super().__init__(**kw)
             _allocate_mask(self)
             self.zos_options = options
-            self.zos = ZosDecodeRows(
-                self.cache, self.config, self.max_requests_per_batch, self.device,
-                self.compute_stream, options, async_carry=False,
-                graphed=kw["continuous_batching_config"].cuda_graph_booleans[1]) if serves else None
+            self.zos = _zos_rows(serves, dict(kw, options=options), self.max_requests_per_batch,
+                                 self.compute_stream, async_carry=False)
             self.zos_md = None
 
         def reset(self) -> None:
@@ -142,11 +150,10 @@ def _build():
     class ZosAsyncIOs(ContinuousBatchingAsyncIOs):
         """transformers' asynchronous IOs (two host/device IO pairs, H2D, compute and D2H
         streams) with zos's decode steps. zos keeps one set of buffers for both pairs: every zos
-        fence and prep runs on the compute stream, in step order. A zos step transfers no
+        upload and prep runs on the compute stream, in step order. A zos step transfers no
         transformers input tensor: its record goes by one copy on the compute stream, and only
-        the logits
-        processors' per-request arguments (when a processor needs them) and the rows of tokens
-        still in flight are copied. Same arguments as the base, plus ``options`` and
+        the logits processors' per-request arguments (when a processor needs them) and the rows
+        of tokens still in flight are copied. Same arguments as the base, plus ``options`` and
         ``serves`` (as :class:`ZosIOs`).
 
         Raises:
@@ -161,10 +168,9 @@ def _build():
                 _allocate_mask(pair.device_io)
             self.zos_options = options
             self.cache = kw["cache"]
-            self.zos = ZosDecodeRows(
-                self.cache, kw["config"], self.io_pairs[0].host_io.max_requests_per_batch,
-                kw["device"], self.compute_stream, options, async_carry=True,
-                graphed=kw["continuous_batching_config"].cuda_graph_booleans[1]) if serves else None
+            self.zos = _zos_rows(serves, dict(kw, options=options),
+                                 self.io_pairs[0].host_io.max_requests_per_batch,
+                                 self.compute_stream, async_carry=True)
             self.zos_md = [None, None]  # per IO pair: its step's metadata if a zos step
 
         def reset(self) -> None:
