@@ -2,16 +2,20 @@
 
 For each batch size N: a steady workload (bench/workload.py: block size 16,
 contexts up to 32k tokens, 5% of rows replaced per step, prompt lengths from the
-Azure 2023 trace) runs through three backends on the same GPU in the same run:
+Azure 2023 trace) runs through four backends on the same GPU in the same run:
 ``host`` (HostMetadataBackend: numba build into pinned memory + copies),
-``zos-eager`` (DeviceMetadataBackend, prep kernels launched per step) and
-``zos-graph`` (the same, prep kernels replayed from one CUDA graph per bucket).
+``zos-eager`` (DeviceMetadataBackend, prep kernels launched per step, the record read
+in place from the mapped staging ring), ``zos-graph`` (the same, prep kernels replayed
+from one CUDA graph per bucket) and ``zos-graph-copy`` (prep graphs, the record copied
+to the device by one H2D copy per step: the fallback, ``staging="copy"``).
 
 Measured per step: host microseconds from the schedule (a built DecodeStep) to
 work enqueued (``backend.prepare``; median and p90 of timed steps), GPU
-microseconds of the prep (kernels + memcpys + memsets, from torch.profiler) and
-host-to-device bytes and copies (torch.profiler memcpy events). Not measured:
-the scheduler's own work of building the DecodeStep, and any model forward.
+microseconds of the prep (kernels + memcpys + memsets, from torch.profiler),
+host-to-device bytes and copies (torch.profiler memcpy events) and the bytes of the
+record, which the mapped variants' kernels read from host memory instead of an H2D copy
+(``record_bytes``; those reads are no memcpy, so the profiler does not see them). Not
+measured: the scheduler's own work of building the DecodeStep, and any model forward.
 
 With ``--gap-us G`` each timed step is followed by G microseconds of GPU work and a
 synchronize (a model-step stand-in): ``gpu_busy`` launches a one-program Triton kernel that
@@ -41,7 +45,7 @@ from zos.serving.profiling import gpu_busy, profile_device  # noqa: E402
 
 from workload import SteadyWorkload  # noqa: E402
 
-VARIANTS = ("host", "zos-eager", "zos-graph")
+VARIANTS = ("host", "zos-eager", "zos-graph", "zos-graph-copy")
 FIELDS = ("input_ids", "positions", "slot_mapping", "seq_lens", "query_start_loc",
           "block_table", "counts")
 
@@ -53,7 +57,40 @@ def make_backend(variant, wl, device, policy):
     kw = dict(num_kv_blocks=wl.num_kv_blocks, vocab_size=32000, buckets=buckets)
     if variant == "host":
         return HostMetadataBackend(bufs, **kw)
-    return DeviceMetadataBackend(bufs, capture_prep=variant == "zos-graph", **kw)
+    return DeviceMetadataBackend(bufs, capture_prep=variant.startswith("zos-graph"),
+                                 staging="copy" if variant.endswith("-copy") else "mapped",
+                                 **kw)
+
+
+def describe_diff(ref, got):
+    """'' if every field of the two StepMetadata is equal, else each differing field with
+    its first differing index and both values."""
+    out = []
+    for f in FIELDS:
+        a, b = getattr(ref, f), getattr(got, f)
+        if a.shape != b.shape:
+            out.append(f"{f}: shape {tuple(a.shape)} vs {tuple(b.shape)}")
+        elif not torch.equal(a, b):
+            bad = (a != b).nonzero()
+            i = tuple(bad[0].tolist())
+            out.append(f"{f}: {len(bad)} entries differ, first at {i}: host {a[i].item()} "
+                       f"vs {b[i].item()}")
+    return "; ".join(out)
+
+
+def lockstep(variant, steps, wl, device, policy):
+    """Run ``variant`` and a host backend step by step, synchronizing and comparing after
+    each (the host never runs ahead of the device); the first step that differs, or
+    'no step differs' (a difference seen only in the timed run then needs the host ahead)."""
+    host = make_backend("host", wl, device, policy)
+    other = make_backend(variant, wl, device, policy)
+    for i, s in enumerate(steps):
+        ref, got = host.prepare(s), other.prepare(s)
+        sync(device)
+        diff = describe_diff(ref, got)
+        if diff:
+            return f"step {i} (N={s.num_reqs}) first differs: {diff}"
+    return "no step differs"
 
 
 def sync(device):
@@ -83,7 +120,9 @@ def bench_one(variant, steps, wl, device, buckets, warmup, timed, profiled, gap_
     rest = steps[1 + warmup + timed : 1 + warmup + timed + profiled]
     row = dict(variant=variant, gap_us=gap_us, host_us_median=statistics.median(host_us),
                host_us_p90=sorted(host_us)[int(0.9 * len(host_us))],
-               backend_upload_bytes_median=statistics.median(upload))
+               backend_upload_bytes_median=statistics.median(upload),
+               record_bytes_median=(statistics.median(upload)
+                                    if variant != "host" else 0))
     if device == "cuda":
         act = profile_device(lambda: [backend.prepare(s) for s in rest])
         row.update(gpu_us=act.gpu_us / len(rest), h2d_bytes=act.h2d_bytes / len(rest),
@@ -92,6 +131,8 @@ def bench_one(variant, steps, wl, device, buckets, warmup, timed, profiled, gap_
         for s in rest:
             backend.prepare(s)
     sync(device)
+    ring = getattr(backend, "ring", None)  # stages that waited for a slot (host K steps ahead)
+    row["ring_waits"] = ring.waits if ring is not None else 0
     return row, backend
 
 
@@ -106,28 +147,41 @@ def main(argv=None):
     ap.add_argument("--gap-us", type=int, default=0,
                     help="GPU busy time + synchronize after each timed step (a model step "
                          "stand-in: the host then prepares from idle, as in a synchronous engine)")
+    ap.add_argument("--check-steps", action="store_true",
+                    help="on a mismatch, rerun that backend in lockstep with a host backend "
+                         "(synchronize and compare after every step) and name the first "
+                         "step and field that differ")
     ap.add_argument("--out", default=None, help="folder for the JSON (default: print only)")
+    ap.add_argument("--variants", default=",".join(VARIANTS),
+                    help=f"backends to run, comma-separated, host first (of {VARIANTS})")
     args = ap.parse_args(argv)
+    variants = args.variants.split(",")
+    if variants[0] != "host" or not set(variants) <= set(VARIANTS):
+        ap.error(f"--variants must start with host and name only {VARIANTS}")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.gap_us and device != "cuda":
         ap.error("--gap-us needs a GPU (the busy kernel reads the GPU's %globaltimer)")
     buckets = vllm_policy(1024)
-    rows = []
+    rows, failures = [], []
     for ctx in [int(c) for c in args.contexts.split(",")]:
         for n in [int(x) for x in args.sizes.split(",")]:
             wl = SteadyWorkload(n, max_context=ctx, seed=n)
             steps = [wl.first_step()] + [wl.next_step() for _ in range(
                 args.warmup + args.steps + args.profiled)]
             backends = {}
-            for v in VARIANTS:
+            for v in variants:
                 row, backends[v] = bench_one(v, steps, wl, device, buckets, args.warmup,
                                              args.steps, args.profiled, args.gap_us)
                 rows.append(dict(n=n, max_context=ctx, block_size=wl.bs, **row))
             ref = backends["host"].metadata(backends["host"].plan(n))
-            for v in VARIANTS[1:]:
-                got = backends[v].metadata(backends[v].plan(n))
-                same = all(torch.equal(getattr(ref, f), getattr(got, f)) for f in FIELDS)
-                assert same, f"{v} differs from host at N={n}"
+            for v in variants[1:]:
+                diff = describe_diff(ref, backends[v].metadata(backends[v].plan(n)))
+                if diff:
+                    waits = rows[-len(variants) + variants.index(v)]["ring_waits"]
+                    failures.append(f"{v} differs from host at N={n} after the last step "
+                                    f"(ring waits {waits}): {diff}")
+                    if args.check_steps:  # which step first differs, host and v in lockstep
+                        failures.append(f"  lockstep: {lockstep(v, steps, wl, device, buckets)}")
             del backends
     print_table(rows)
     if args.out:
@@ -137,26 +191,30 @@ def main(argv=None):
                     triton=__import__("triton").__version__, replace_fraction=0.05,
                     buckets="vllm_policy(1024)", steps=args.steps, warmup=args.warmup,
                     gap_us=args.gap_us, gap_kernel="gpu_busy: Triton %globaltimer spin",
-                    profiled=args.profiled)
+                    profiled=args.profiled, record="sparse (rows that change)",
+                    ring_slots=4)
         gap = f"_gap{args.gap_us}us" if args.gap_us else ""
         out = Path(args.out) / f"prep_{name.replace(' ', '_')}_{today}{gap}.json"
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
         print(f"wrote {out}")
+    assert not failures, "\n".join(failures)  # after the table: the timings stay readable
 
 
 def print_table(rows):
     """One line per (N, context, backend): medians, GPU us, H2D bytes, ratio to host-built."""
-    head = (f"{'N':>5} {'ctx':>6} {'backend':<10} {'host us':>8} {'p90':>8} {'gpu us':>8} "
-            f"{'H2D B/step':>11} {'copies':>6} {'x host':>7}")
+    head = (f"{'N':>5} {'ctx':>6} {'backend':<14} {'host us':>8} {'p90':>8} {'gpu us':>8} "
+            f"{'H2D B/step':>11} {'copies':>6} {'record B':>9} {'x host':>7} {'waits':>6}")
     print(head)
     base = {(r["n"], r["max_context"]): r["host_us_median"] for r in rows if r["variant"] == "host"}
     for r in rows:
         ratio = base[(r["n"], r["max_context"])] / r["host_us_median"]
         h2d = r.get("h2d_bytes", r["backend_upload_bytes_median"])
-        print(f"{r['n']:>5} {r['max_context']:>6} {r['variant']:<10} {r['host_us_median']:>8.1f} "
-              f"{r['host_us_p90']:>8.1f} {r.get('gpu_us', float('nan')):>8.1f} {h2d:>11.0f} "
-              f"{r.get('h2d_copies', float('nan')):>6.1f} {ratio:>7.1f}")
+        print(f"{r['n']:>5} {r['max_context']:>6} {r['variant']:<14} "
+              f"{r['host_us_median']:>8.1f} {r['host_us_p90']:>8.1f} "
+              f"{r.get('gpu_us', float('nan')):>8.1f} {h2d:>11.0f} "
+              f"{r.get('h2d_copies', float('nan')):>6.1f} {r['record_bytes_median']:>9.0f} "
+              f"{ratio:>7.1f} {r.get('ring_waits', 0):>6}")
 
 
 if __name__ == "__main__":

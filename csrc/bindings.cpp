@@ -69,61 +69,107 @@ int64_t compute_remap(const py::handle& prev_obj, const py::handle& curr_obj,
                        static_cast<int32_t*>(out.mutable_data()));
 }
 
+// The arrays of one DecodeStep, checked (dtype, 1-D, contiguous, matching lengths).
+struct CheckedStep {
+  py::array ids, rows, toks, pos, indptr, blks, arows, ablks;
+  py::array wrows, windptr, wblks;  // rewritten rows: none when all three were None
+  bool rewrites = false;
+  zos::StepInput input() const {
+    zos::StepInput in{ptr<int64_t>(ids),   ids.size(),          ptr<int32_t>(rows),
+                      ptr<int32_t>(toks),  ptr<int32_t>(pos),   ptr<int32_t>(indptr),
+                      ptr<int32_t>(blks),  rows.size(),         blks.size(),
+                      ptr<int32_t>(arows), ptr<int32_t>(ablks), arows.size()};
+    static const int32_t kZero = 0;
+    in.rewrite_block_indptr = &kZero;  // no rewritten rows: indptr = [0]
+    if (rewrites) {
+      in.rewrite_rows = ptr<int32_t>(wrows);
+      in.rewrite_block_indptr = ptr<int32_t>(windptr);
+      in.rewrite_block_ids = ptr<int32_t>(wblks);
+      in.x = wrows.size();
+      in.y = wblks.size();
+    }
+    return in;
+  }
+};
+
+CheckedStep check_step(const py::handle& req_ids, const py::handle& new_rows,
+                       const py::handle& new_tokens, const py::handle& new_positions,
+                       const py::handle& new_block_indptr, const py::handle& new_block_ids,
+                       const py::handle& append_rows, const py::handle& append_block_ids,
+                       const py::handle& rewrite_rows, const py::handle& rewrite_block_indptr,
+                       const py::handle& rewrite_block_ids) {
+  CheckedStep c{checked<int64_t>(req_ids, "req_ids"),
+                checked<int32_t>(new_rows, "new_rows"),
+                checked<int32_t>(new_tokens, "new_tokens"),
+                checked<int32_t>(new_positions, "new_positions"),
+                checked<int32_t>(new_block_indptr, "new_block_indptr"),
+                checked<int32_t>(new_block_ids, "new_block_ids"),
+                checked<int32_t>(append_rows, "append_rows"),
+                checked<int32_t>(append_block_ids, "append_block_ids")};
+  const auto m = c.rows.size();
+  if (c.toks.size() != m || c.pos.size() != m)
+    throw py::value_error("new_tokens and new_positions must have len(new_rows) = " +
+                          std::to_string(m) + " elements, got " + std::to_string(c.toks.size()) +
+                          " and " + std::to_string(c.pos.size()));
+  if (c.indptr.size() != m + 1)
+    throw py::value_error("new_block_indptr must have len(new_rows) + 1 = " +
+                          std::to_string(m + 1) + " elements, got " +
+                          std::to_string(c.indptr.size()));
+  if (c.ablks.size() != c.arows.size())
+    throw py::value_error("append_block_ids must have len(append_rows) = " +
+                          std::to_string(c.arows.size()) + " elements, got " +
+                          std::to_string(c.ablks.size()));
+  // Rewritten rows (optional: none when all three are None).
+  c.rewrites = !rewrite_rows.is_none() || !rewrite_block_indptr.is_none() ||
+               !rewrite_block_ids.is_none();
+  if (c.rewrites) {
+    c.wrows = checked<int32_t>(rewrite_rows, "rewrite_rows");
+    c.windptr = checked<int32_t>(rewrite_block_indptr, "rewrite_block_indptr");
+    c.wblks = checked<int32_t>(rewrite_block_ids, "rewrite_block_ids");
+    if (c.windptr.size() != c.wrows.size() + 1)
+      throw py::value_error("rewrite_block_indptr must have len(rewrite_rows) + 1 = " +
+                            std::to_string(c.wrows.size() + 1) + " elements, got " +
+                            std::to_string(c.windptr.size()));
+  }
+  return c;
+}
+
 int64_t pack(zos::StepPacker& self, const py::handle& req_ids, const py::handle& new_rows,
              const py::handle& new_tokens, const py::handle& new_positions,
              const py::handle& new_block_indptr, const py::handle& new_block_ids,
              const py::handle& append_rows, const py::handle& append_block_ids,
-             const py::handle& out_obj, const py::handle& rewrite_rows,
+             const py::handle& out_obj, int32_t seq, const py::handle& rewrite_rows,
              const py::handle& rewrite_block_indptr, const py::handle& rewrite_block_ids) {
-  auto ids = checked<int64_t>(req_ids, "req_ids");
-  auto rows = checked<int32_t>(new_rows, "new_rows");
-  auto toks = checked<int32_t>(new_tokens, "new_tokens");
-  auto pos = checked<int32_t>(new_positions, "new_positions");
-  auto indptr = checked<int32_t>(new_block_indptr, "new_block_indptr");
-  auto blks = checked<int32_t>(new_block_ids, "new_block_ids");
-  auto arows = checked<int32_t>(append_rows, "append_rows");
-  auto ablks = checked<int32_t>(append_block_ids, "append_block_ids");
+  const CheckedStep c = check_step(req_ids, new_rows, new_tokens, new_positions,
+                                   new_block_indptr, new_block_ids, append_rows,
+                                   append_block_ids, rewrite_rows, rewrite_block_indptr,
+                                   rewrite_block_ids);
   auto out = checked<int32_t>(out_obj, "out", true);
-  const auto m = rows.size();
-  if (toks.size() != m || pos.size() != m)
-    throw py::value_error("new_tokens and new_positions must have len(new_rows) = " +
-                          std::to_string(m) + " elements, got " + std::to_string(toks.size()) +
-                          " and " + std::to_string(pos.size()));
-  if (indptr.size() != m + 1)
-    throw py::value_error("new_block_indptr must have len(new_rows) + 1 = " +
-                          std::to_string(m + 1) + " elements, got " +
-                          std::to_string(indptr.size()));
-  if (ablks.size() != arows.size())
-    throw py::value_error("append_block_ids must have len(append_rows) = " +
-                          std::to_string(arows.size()) + " elements, got " +
-                          std::to_string(ablks.size()));
-  zos::StepInput in{ptr<int64_t>(ids),    ids.size(),          ptr<int32_t>(rows),
-                    ptr<int32_t>(toks),   ptr<int32_t>(pos),   ptr<int32_t>(indptr),
-                    ptr<int32_t>(blks),   m,                   blks.size(),
-                    ptr<int32_t>(arows),  ptr<int32_t>(ablks), arows.size()};
-  // Rewritten rows (optional: none when all three are None).
-  const bool rewrites = !rewrite_rows.is_none() || !rewrite_block_indptr.is_none() ||
-                        !rewrite_block_ids.is_none();
-  static const int32_t kZero = 0;
-  py::array wrows, windptr, wblks;
-  if (rewrites) {
-    wrows = checked<int32_t>(rewrite_rows, "rewrite_rows");
-    windptr = checked<int32_t>(rewrite_block_indptr, "rewrite_block_indptr");
-    wblks = checked<int32_t>(rewrite_block_ids, "rewrite_block_ids");
-    if (windptr.size() != wrows.size() + 1)
-      throw py::value_error("rewrite_block_indptr must have len(rewrite_rows) + 1 = " +
-                            std::to_string(wrows.size() + 1) + " elements, got " +
-                            std::to_string(windptr.size()));
-    in.rewrite_rows = ptr<int32_t>(wrows);
-    in.rewrite_block_indptr = ptr<int32_t>(windptr);
-    in.rewrite_block_ids = ptr<int32_t>(wblks);
-    in.x = wrows.size();
-    in.y = wblks.size();
-  } else {
-    in.rewrite_block_indptr = &kZero;  // no rewritten rows: indptr = [0]
-  }
+  const zos::StepInput in = c.input();
   py::gil_scoped_release release;
-  return self.pack(in, static_cast<int32_t*>(out.mutable_data()), out.size());
+  return self.pack(in, static_cast<int32_t*>(out.mutable_data()), out.size(), seq);
+}
+
+// One call per step on the mapped path: acquire the next ring slot (fences), pack into
+// it, commit it. On a throw from the packer the slot is not committed.
+int64_t stage_into_ring(zos::StepPacker& self, zos::MappedRing& ring, uint64_t stream,
+                        int32_t seq, const py::handle& req_ids, const py::handle& new_rows,
+                        const py::handle& new_tokens, const py::handle& new_positions,
+                        const py::handle& new_block_indptr, const py::handle& new_block_ids,
+                        const py::handle& append_rows, const py::handle& append_block_ids,
+                        const py::handle& rewrite_rows, const py::handle& rewrite_block_indptr,
+                        const py::handle& rewrite_block_ids) {
+  const CheckedStep c = check_step(req_ids, new_rows, new_tokens, new_positions,
+                                   new_block_indptr, new_block_ids, append_rows,
+                                   append_block_ids, rewrite_rows, rewrite_block_indptr,
+                                   rewrite_block_ids);
+  const zos::StepInput in = c.input();
+  py::gil_scoped_release release;
+  const int slot = ring.acquire(stream);
+  int32_t* out = reinterpret_cast<int32_t*>(ring.host_ptr()) + slot * ring.slot_words();
+  const int64_t words = self.pack(in, out, ring.slot_words(), seq);
+  ring.commit();
+  return words;
 }
 
 void apply_accepted(zos::StepPacker& self, const py::handle& accepted, int64_t steps_ago) {
@@ -179,8 +225,8 @@ inside the pool (request block ids in [1, num_kv_blocks)), or >= num_kv_blocks, 
       .def("pack", &pack, py::arg("req_ids"), py::arg("new_rows"), py::arg("new_tokens"),
            py::arg("new_positions"), py::arg("new_block_indptr"), py::arg("new_block_ids"),
            py::arg("append_rows"), py::arg("append_block_ids"), py::arg("out"),
-           py::arg("rewrite_rows") = py::none(), py::arg("rewrite_block_indptr") = py::none(),
-           py::arg("rewrite_block_ids") = py::none(),
+           py::arg("seq") = 0, py::arg("rewrite_rows") = py::none(),
+           py::arg("rewrite_block_indptr") = py::none(), py::arg("rewrite_block_ids") = py::none(),
            R"doc(Validate one step and write its staging record into ``out``; returns its length in words.
 
 Args (numpy, 1-D, contiguous): req_ids int64 [N]; new_rows int32 [M] (rows whose
@@ -188,12 +234,18 @@ request starts, resumes or restarts here); new_tokens int32 [M] (input token);
 new_positions int32 [M] (position of that token); new_block_indptr int32 [M+1]
 and new_block_ids int32 [L] (CSR: each new row's whole block-table row);
 append_rows int32 [A] and append_block_ids int32 [A] (a block appended after the
-last block of a carried row); out int32 [capacity], written in place. Optional,
-all three or none: rewrite_rows int32 [X] (carried rows whose block list changed
-other than by an append: prefix-sharing swaps, copy-on-write, swap-in,
+last block of a carried row); out int32 [capacity], written in place; seq: the
+record's SEQ word (a ring slot's sequence number, zos.staging_ring; 0 otherwise).
+Optional, all three or none: rewrite_rows int32 [X] (carried rows whose block list
+changed other than by an append: prefix-sharing swaps, copy-on-write, swap-in,
 defragmentation), rewrite_block_indptr int32 [X+1] and rewrite_block_ids int32 [Y]
 (CSR: each such row's whole block list after this step, appended blocks included;
-its token and position still carry over).
+its token and position still carry over). A rewritten row is listed, with a record
+of its whole list (col0 = 0).
+
+Only the rows that change are listed (the sparse record, csrc/staging.h), unless
+``list_every_row`` is set. With q = 1 the work is O(changed rows + M + L + A): a
+row that keeps its request and gets no block is neither visited nor listed.
 
 Rows not in new_rows must hold a request of the previous step; their position
 advances by q and their blocks carry over (or are replaced by their rewrite_block_ids).
@@ -202,6 +254,17 @@ Raises ValueError on any inconsistency
 when null_block is 0 and 0 otherwise, a position
 not covered by the row's blocks, beyond max_num_blocks_per_req * block_size, more than
 max_num_reqs rows, record larger than ``out``); TypeError on wrong dtypes.)doc")
+      .def("stage_into_ring", &stage_into_ring, py::arg("ring"), py::arg("stream"),
+           py::arg("seq"), py::arg("req_ids"), py::arg("new_rows"), py::arg("new_tokens"),
+           py::arg("new_positions"), py::arg("new_block_indptr"), py::arg("new_block_ids"),
+           py::arg("append_rows"), py::arg("append_block_ids"),
+           py::arg("rewrite_rows") = py::none(), py::arg("rewrite_block_indptr") = py::none(),
+           py::arg("rewrite_block_ids") = py::none(),
+           R"doc(``pack`` into the next slot of a :class:`MappedRing`, in one call (no GIL).
+
+``ring.acquire(stream)`` (the slot staged last gets its fence on ``stream``; wait for the
+next slot's fence), ``pack`` into that slot with ``seq``, ``ring.commit()``; returns the
+record's words. Raises as ``pack`` (the slot is then neither written nor committed).)doc")
       .def("apply_accepted", &apply_accepted, py::arg("accepted"), py::arg("steps_ago"),
            R"doc(Exact accepted counts of an earlier step (speculative decoding, q > 1).
 
@@ -212,6 +275,12 @@ the last packed step (``steps_ago`` = 0: the next pack advances each row by its 
 or of the step before it (``steps_ago`` = 1: the last step's positions are lowered by
 q - count). Counts given twice change nothing more. Raises ValueError (nothing
 changed) on a wrong length, a count outside [1, q] or steps_ago not 0 or 1.)doc")
+      .def_readwrite("list_every_row", &zos::StepPacker::list_every_row,
+                     "List every row in the record (the dense record: a reference and fallback; "
+                     "default False, the sparse record listing only rows that change).")
+      .def_property_readonly("rows_visited", &zos::StepPacker::rows_visited,
+                             "Rows the last successful pack visited: the changed rows (every "
+                             "row with draft tokens) and the rows whose blocks ran out then.")
       .def("reset", &zos::StepPacker::reset,
            "Forget the previous step; every row of the next step must then be new.")
       .def_property_readonly("prev_num_reqs", &zos::StepPacker::prev_num_reqs,
@@ -228,11 +297,15 @@ Args:
     dst: device address of the staging buffer (``tensor.data_ptr()``).
     src0, src1: addresses of two pinned host buffers of ``capacity`` bytes.
     capacity: bytes each buffer holds.
+    device: the CUDA device ordinal: its primary context (torch's) is retained and made
+        current for each driver call, on any thread; -1 (default): the context current
+        on the constructing thread.
 
 Raises:
-    RuntimeError: the driver cannot be loaded or no CUDA context is current.)doc")
-      .def(py::init<uint64_t, uint64_t, uint64_t, int64_t>(), py::arg("dst"), py::arg("src0"),
-           py::arg("src1"), py::arg("capacity"))
+    RuntimeError: the driver cannot be loaded, or device is -1 and no CUDA context is
+        current.)doc")
+      .def(py::init<uint64_t, uint64_t, uint64_t, int64_t, int64_t>(), py::arg("dst"),
+           py::arg("src0"), py::arg("src1"), py::arg("capacity"), py::arg("device") = -1)
       .def("acquire", &zos::PinnedUpload::acquire, py::call_guard<py::gil_scoped_release>(),
            "Wait until the next buffer's previous copy is done; returns its index (0 or 1).")
       .def("submit", &zos::PinnedUpload::submit, py::arg("k"), py::arg("nbytes"),
@@ -243,14 +316,61 @@ Raises:
            py::call_guard<py::gil_scoped_release>(),
            "Wait until both buffers' copies are done (before freeing the pinned buffers).");
 
+  py::class_<zos::MappedRing>(m, "MappedRing",
+                              R"doc(The zero-copy staging ring: records in mapped pinned host memory, one fence per slot.
+
+``num_slots`` records of ``slot_words`` int32 words, allocated with cuMemHostAlloc
+(DEVICEMAP | PORTABLE) and zeroed; the prep kernels read them at ``device_ptr``
+(cuMemHostGetDevicePointer) inside the graph, no copy. Per step: ``acquire(stream)``
+records the fence of the slot committed last on ``stream`` (after that step's build was
+enqueued there) and waits for the fence of the next slot (only when the host is
+``num_slots`` steps ahead), returns its index; the record is packed into
+``array()[slot]``; ``commit()``. docs/ZOS.md, "The staging record".
+
+``device``: the CUDA device ordinal; its primary context (torch's) is retained and made
+current for each driver call (the thread's own context is put back after), so the ring
+can be built and used on a thread that never touched CUDA; -1 (default): the context
+current on the constructing thread.
+
+Raises:
+    RuntimeError: the driver cannot be loaded, device is -1 and no CUDA context is
+        current, or the memory cannot be allocated or mapped.
+    ValueError: num_slots or slot_words < 1.)doc")
+      .def(py::init<int64_t, int64_t, int64_t>(), py::arg("num_slots"), py::arg("slot_words"),
+           py::arg("device") = -1)
+      .def("acquire", &zos::MappedRing::acquire, py::arg("stream"),
+           py::call_guard<py::gil_scoped_release>(),
+           "Fence the slot committed last on stream (a raw CUstream), wait until the next "
+           "slot's fence is done; returns that slot.")
+      .def("commit", &zos::MappedRing::commit,
+           "The acquired slot holds a staged record: the next acquire fences it.")
+      .def("synchronize", &zos::MappedRing::synchronize,
+           py::call_guard<py::gil_scoped_release>(),
+           "Fence the slot committed last and wait for every slot's fence.")
+      .def("array", [](py::object self) {
+             auto& ring = self.cast<zos::MappedRing&>();
+             return py::array_t<int32_t>({ring.num_slots(), ring.slot_words()},
+                                         reinterpret_cast<int32_t*>(ring.host_ptr()), self);
+           },
+           "The slots as a writable numpy int32 array [num_slots, slot_words] over the "
+           "mapped memory (it keeps the ring alive).")
+      .def_property_readonly("host_ptr", &zos::MappedRing::host_ptr)
+      .def_property_readonly("device_ptr", &zos::MappedRing::device_ptr,
+                             "The device address of slot 0 (unified addressing).")
+      .def_property_readonly("num_slots", &zos::MappedRing::num_slots)
+      .def_property_readonly("slot_words", &zos::MappedRing::slot_words)
+      .def_property_readonly("waits", &zos::MappedRing::waits,
+                             "Acquires that had to wait for their slot's fence.");
+
   namespace st = zos::staging;
   auto staging = m.def_submodule("staging", R"doc(Layout of the staging record (csrc/staging.h).
 
 Word offsets and sizes in int32 words. A record is: a header of HEADER_WORDS
-words (NUM_REQS, NUM_TOKENS, PREV_REQS, NUM_RECORDS, NUM_BLOCK_IDS and Q are the
-indices of its fields, the rest is reserved), ROW_SRC [N], ROW_REC [N], M row
-records of RECORD_WORDS words (R_TOKEN, R_POS0, R_COL0, R_COUNT and R_BLK_OFF are
-the offsets of their fields) and L block ids. zos.staging re-exports these.)doc");
+words (NUM_REQS, NUM_TOKENS, PREV_REQS, NUM_RECORDS, NUM_BLOCK_IDS, Q, NUM_LISTED
+and SEQ are the indices of its fields), C listed rows of LIST_WORDS words (L_ROW,
+L_SRC, L_REC the offsets of their fields), M row records of RECORD_WORDS words
+(R_TOKEN, R_POS0, R_COL0, R_COUNT and R_BLK_OFF are the offsets of their fields)
+and L block ids. SEQ_MASK bounds a sequence number. zos.staging re-exports these.)doc");
   staging.attr("HEADER_WORDS") = st::kHeaderWords;
   staging.attr("RECORD_WORDS") = st::kRecordWords;
   staging.attr("NUM_REQS") = static_cast<int64_t>(st::kNumReqs);
@@ -259,17 +379,24 @@ the offsets of their fields) and L block ids. zos.staging re-exports these.)doc"
   staging.attr("NUM_RECORDS") = static_cast<int64_t>(st::kNumRecords);
   staging.attr("NUM_BLOCK_IDS") = static_cast<int64_t>(st::kNumBlockIds);
   staging.attr("Q") = static_cast<int64_t>(st::kQ);
+  staging.attr("NUM_LISTED") = static_cast<int64_t>(st::kNumListed);
+  staging.attr("SEQ") = static_cast<int64_t>(st::kSeq);
+  staging.attr("SEQ_MASK") = static_cast<int64_t>(st::kSeqMask);
+  staging.attr("LIST_WORDS") = st::kListWords;
+  staging.attr("L_ROW") = static_cast<int64_t>(st::kListRow);
+  staging.attr("L_SRC") = static_cast<int64_t>(st::kListSrc);
+  staging.attr("L_REC") = static_cast<int64_t>(st::kListRec);
   staging.attr("R_TOKEN") = static_cast<int64_t>(st::kToken);
   staging.attr("R_POS0") = static_cast<int64_t>(st::kPos0);
   staging.attr("R_COL0") = static_cast<int64_t>(st::kCol0);
   staging.attr("R_COUNT") = static_cast<int64_t>(st::kCount);
   staging.attr("R_BLK_OFF") = static_cast<int64_t>(st::kBlkOff);
-  staging.def("total_words", &st::total_words, py::arg("n"), py::arg("m"), py::arg("l"),
-              "Words of a record with n rows, m row records and l block ids: "
-              "HEADER_WORDS + 2n + RECORD_WORDS * m + l.");
+  staging.def("total_words", &st::total_words, py::arg("c"), py::arg("m"), py::arg("l"),
+              "Words of a record with c listed rows, m row records and l block ids: "
+              "HEADER_WORDS + LIST_WORDS * c + RECORD_WORDS * m + l.");
   staging.def("capacity_words", &st::capacity_words, py::arg("max_num_reqs"),
               py::arg("max_num_blocks_per_req"),
               "Largest record for max_num_reqs rows of at most max_num_blocks_per_req blocks "
-              "(every row new, each with a full block-table row): "
+              "(every row listed and new, each with a full block-table row): "
               "total_words(R, R, R * W).");
 }

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 
@@ -14,41 +15,6 @@ namespace {
 
 std::string row_str(int64_t row, int64_t id) {
   return "row " + std::to_string(row) + " (request " + std::to_string(id) + ")";
-}
-
-
-// CSR offsets of a block list per row: start at 0, end at len(ids), never drop.
-void check_indptr(const char* field, const char* ids_field, const int32_t* indptr, int64_t m,
-                  int64_t l) {
-  if (indptr[0] != 0) fail(std::string(field) + "[0] must be 0, got " + std::to_string(indptr[0]));
-  if (indptr[m] != l)
-    fail(std::string(field) + "[-1] must equal len(" + ids_field + ") = " + std::to_string(l) +
-         ", got " + std::to_string(indptr[m]));
-  for (int64_t k = 0; k < m; ++k)
-    if (indptr[k + 1] < indptr[k])
-      fail(std::string(field) + " must be non-decreasing, drops at " + std::to_string(k));
-}
-
-// Block ids of a CSR list of rows (new rows, rewritten rows) against [first, num_kv_blocks):
-// one branch-free min/max pass; the offender and its row are looked up only on failure.
-void check_block_ids(const PackerConfig& cfg, const int64_t* req_ids, const char* field,
-                     const int32_t* rows, const int32_t* indptr, const int32_t* ids, int64_t m,
-                     int64_t l) {
-  int32_t lo_id = INT32_MAX, hi_id = INT32_MIN;
-  for (int64_t e = 0; e < l; ++e) {
-    lo_id = std::min(lo_id, ids[e]);
-    hi_id = std::max(hi_id, ids[e]);
-  }
-  const int64_t first = cfg.first_block_id();
-  if (l > 0 && (lo_id < first || hi_id >= cfg.num_kv_blocks)) {
-    int64_t e = 0;
-    while (ids[e] >= first && ids[e] < cfg.num_kv_blocks) ++e;
-    const int64_t k = std::upper_bound(indptr, indptr + m + 1, e) - indptr - 1;
-    fail(std::string(field) + ": " + row_str(rows[k], req_ids[rows[k]]) + " has block id " +
-         std::to_string(ids[e]) + " outside [" + std::to_string(first) + ", " +
-         std::to_string(cfg.num_kv_blocks) + ") (the null block is " +
-         std::to_string(cfg.null_block) + ")");
-  }
 }
 
 }  // namespace
@@ -71,21 +37,53 @@ StepPacker::StepPacker(const PackerConfig& cfg) : cfg_(cfg), index_(cfg.max_num_
          (cfg.null_block == 0 ? " (block 0 is reserved)" : "") + ", got " +
          std::to_string(cfg.num_kv_blocks));
   const size_t r = static_cast<size_t>(cfg.max_num_reqs);
-  for (auto* v : {&remap_, &rec_of_row_, &app_count_, &app_start_, &rw_of_row_, &prev_pos0_,
-                  &prev_nblocks_,
-                  &curr_pos0_, &curr_nblocks_, &taken_by_, &prev_assumed_src_,
-                  &curr_assumed_src_})
+  ids_.assign(r, 0);
+  key_.assign(r, 0);
+  t_key_.assign(r, 0);
+  deadline_.assign(r, -1);
+  for (auto* v : {&nb_, &t_nb_, &t_assumed_, &rec_of_row_, &app_count_, &app_start_,
+                  &claim_row_, &remap_, &src_of_, &rw_of_row_})
     v->assign(r, 0);
-  prev_adv_.assign(r, static_cast<int32_t>(cfg.q));
-  app_order_.reserve(r);
-  moved_.reserve(r);
-  prev_ids_.reserve(r);
+  adv_.assign(r, static_cast<int32_t>(cfg.q));
+  assumed_.assign(r, -1);
+  dl_next_.assign(r, -1);
+  dl_prev_.assign(r, -1);
+  for (auto* v : {&rec_stamp_, &app_stamp_, &claim_stamp_, &touch_stamp_, &rw_stamp_})
+    v->assign(r, 0);
+  // Deadlines lie at most max_num_blocks_per_req * block_size packs ahead; buckets
+  // beyond 4096 would only save the rare visit of a row whose deadline is a lap ahead.
+  const int64_t horizon = cfg.max_num_blocks_per_req * cfg.block_size + 1;
+  int64_t buckets = 16;
+  while (buckets < horizon && buckets < 4096) buckets <<= 1;
+  dl_head_.assign(static_cast<size_t>(buckets), -1);
+  dl_mask_ = buckets - 1;
+  for (auto* v : {&moved_, &app_rows_, &touched_, &listed_}) v->reserve(r);
 }
 
 void StepPacker::reset() {
-  prev_ids_.clear();
+  prev_n_ = 0;
+  prev_prev_n_ = 0;
   index_.clear();
-  prev_prev_num_reqs_ = 0;
+  std::fill(dl_head_.begin(), dl_head_.end(), -1);
+  std::fill(deadline_.begin(), deadline_.end(), -1);
+}
+
+void StepPacker::link(int32_t row, int64_t deadline) {
+  int32_t& head = dl_head_[deadline & dl_mask_];
+  dl_prev_[row] = -1;
+  dl_next_[row] = head;
+  if (head >= 0) dl_prev_[head] = row;
+  head = row;
+  deadline_[row] = deadline;
+}
+
+void StepPacker::unlink(int32_t row) {
+  if (deadline_[row] < 0) return;
+  const int32_t prev = dl_prev_[row], next = dl_next_[row];
+  if (prev >= 0) dl_next_[prev] = next;
+  else dl_head_[deadline_[row] & dl_mask_] = next;
+  if (next >= 0) dl_prev_[next] = prev;
+  deadline_[row] = -1;
 }
 
 // With q > 1 a carried row advances by its accepted count, which reaches the host
@@ -93,7 +91,7 @@ void StepPacker::reset() {
 // accepted): an upper bound, so validation asks for the worst case's blocks. The
 // counts, when they arrive, replace the bound by the exact position.
 void StepPacker::apply_accepted(const int32_t* accepted, int64_t n, int64_t steps_ago) {
-  const int64_t want = steps_ago == 0 ? prev_num_reqs() : prev_prev_num_reqs_;
+  const int64_t want = steps_ago == 0 ? prev_num_reqs() : prev_prev_n_;
   if (steps_ago != 0 && steps_ago != 1)
     fail("steps_ago must be 0 (the last packed step) or 1 (the one before), got " +
          std::to_string(steps_ago));
@@ -104,77 +102,76 @@ void StepPacker::apply_accepted(const int32_t* accepted, int64_t n, int64_t step
     if (accepted[j] < 1 || accepted[j] > cfg_.q)
       fail("accepted[" + std::to_string(j) + "] = " + std::to_string(accepted[j]) +
            " is outside [1, q = " + std::to_string(cfg_.q) + "]");
+  if (cfg_.q == 1) return;  // every count is 1: the mirror is exact already
   if (steps_ago == 0) {
-    std::copy_n(accepted, n, prev_adv_.begin());
+    std::copy_n(accepted, n, adv_.begin());
     return;
   }
-  const int64_t p = prev_num_reqs();
-  for (int64_t i = 0; i < p; ++i) {
-    const int32_t j = prev_assumed_src_[i];
+  for (int64_t i = 0; i < prev_n_; ++i) {
+    const int32_t j = assumed_[i];
     if (j >= 0) {
-      prev_pos0_[i] -= static_cast<int32_t>(cfg_.q) - accepted[j];
-      prev_assumed_src_[i] = -1;
+      key_[i] -= cfg_.q - accepted[j];
+      assumed_[i] = -1;
     }
   }
 }
 
-// remap_[i] = row of the previous step holding curr[i], or -1. A row whose
-// request is where it was costs one comparison; only the others touch the
-// index. Duplicate ids in curr are caught: a previous row claimed twice, or a
-// new id seen twice. Writes only scratch (remap_, taken_by_, moved_, new_ids_).
-void StepPacker::remap(const StepInput& in) {
-  const int64_t n = in.n, p = prev_num_reqs();
+// moved_: rows whose request is not the one the row held in the previous step
+// (new, or moved in), remap_[i] for them = the previous row of that request, or -1.
+// Rows that keep their request are found by a block compare of the request ids,
+// without a per-row branch. Duplicate ids in curr are caught: a previous row
+// claimed twice (or claimed while its request stays in place), or a new id seen
+// twice. Writes only scratch.
+void StepPacker::find_changed(const StepInput& in) {
+  const int64_t n = in.n, common = std::min(n, prev_n_);
   const int64_t* curr = in.req_ids;
-  std::fill_n(taken_by_.begin(), p, 0);
+  const int64_t* prev = ids_.data();
+  constexpr int64_t kBlock = 16;
   moved_.clear();
-  for (int64_t i = 0; i < n; ++i) {
-    if (i < p && curr[i] == prev_ids_[i]) {
-      remap_[i] = static_cast<int32_t>(i);
-      taken_by_[i] = static_cast<int32_t>(i + 1);
-    } else {
-      moved_.push_back(static_cast<int32_t>(i));
-    }
+  for (int64_t i0 = 0; i0 < common; i0 += kBlock) {
+    const int64_t len = std::min(kBlock, common - i0);
+    if (std::memcmp(curr + i0, prev + i0, static_cast<size_t>(len) * sizeof(int64_t)) == 0)
+      continue;
+    for (int64_t i = i0; i < i0 + len; ++i)
+      if (curr[i] != prev[i]) moved_.push_back(static_cast<int32_t>(i));
   }
+  for (int64_t i = common; i < n; ++i) moved_.push_back(static_cast<int32_t>(i));
   new_ids_.reset(static_cast<int64_t>(moved_.size()));
+  auto duplicate = [&](int64_t id, int64_t a, int64_t b) {
+    fail("req_ids: request id " + std::to_string(id) + " appears twice, at positions " +
+         std::to_string(std::min(a, b)) + " and " + std::to_string(std::max(a, b)));
+  };
   for (int32_t i : moved_) {
     const int32_t j = index_.find(curr[i]);
     if (j >= 0) {
-      if (taken_by_[j])
-        fail("req_ids: request id " + std::to_string(curr[i]) + " appears twice, at positions " +
-             std::to_string(std::min(taken_by_[j] - 1, i)) + " and " +
-             std::to_string(std::max(taken_by_[j] - 1, i)));
-      taken_by_[j] = i + 1;
+      if (j < n && same_request(in, j)) duplicate(curr[i], j, i);
+      if (claim_stamp_[j] == stamp_) duplicate(curr[i], claim_row_[j], i);
+      claim_stamp_[j] = stamp_;
+      claim_row_[j] = i;
     } else {
       const int32_t first = new_ids_.insert(curr[i], i);
-      if (first >= 0)
-        fail("req_ids: request id " + std::to_string(curr[i]) +
-             " appears twice, at positions " + std::to_string(first) + " and " +
-             std::to_string(i));
+      if (first >= 0) duplicate(curr[i], first, i);
     }
     remap_[i] = j;
   }
 }
 
-// After a successful pack: the index now maps this step's ids to their rows.
-void StepPacker::commit_index(const StepInput& in) {
-  const int64_t p = prev_num_reqs();
-  for (int64_t j = 0; j < p; ++j)
-    if (!taken_by_[j]) index_.erase(prev_ids_[j]);
-  for (int32_t i : moved_) index_.assign(in.req_ids[i], i);
-  prev_ids_.assign(in.req_ids, in.req_ids + in.n);
-}
-
 void StepPacker::validate_new_rows(const StepInput& in) {
   const int64_t max_len = cfg_.max_num_blocks_per_req * cfg_.block_size;
-  check_indptr("new_block_indptr", "new_block_ids", in.new_block_indptr, in.m, in.l);
+  if (in.new_block_indptr[0] != 0) fail("new_block_indptr[0] must be 0, got " +
+                                        std::to_string(in.new_block_indptr[0]));
+  if (in.new_block_indptr[in.m] != in.l)
+    fail("new_block_indptr[-1] must equal len(new_block_ids) = " + std::to_string(in.l) +
+         ", got " + std::to_string(in.new_block_indptr[in.m]));
   for (int64_t k = 0; k < in.m; ++k) {
     const int64_t row = in.new_rows[k];
     if (row < 0 || row >= in.n)
       fail("new_rows[" + std::to_string(k) + "] = " + std::to_string(row) + " is outside [0, " +
            std::to_string(in.n) + ")");
-    if (rec_of_row_[row] >= 0)
+    if (rec_stamp_[row] == stamp_)
       fail("new_rows: row " + std::to_string(row) + " appears twice, at positions " +
            std::to_string(rec_of_row_[row]) + " and " + std::to_string(k));
+    rec_stamp_[row] = stamp_;
     rec_of_row_[row] = static_cast<int32_t>(k);
     auto who = [&] { return row_str(row, in.req_ids[row]); };  // built only on failure
     const int64_t tok = in.new_tokens[k], pos = in.new_positions[k];
@@ -186,6 +183,7 @@ void StepPacker::validate_new_rows(const StepInput& in) {
            "; positions must lie in [0, max_num_blocks_per_req * block_size - q] = [0, " +
            std::to_string(max_len - cfg_.q) + "]");
     const int64_t lo = in.new_block_indptr[k], hi = in.new_block_indptr[k + 1];
+    if (hi < lo) fail("new_block_indptr must be non-decreasing, drops at " + std::to_string(k));
     if (hi - lo > cfg_.max_num_blocks_per_req)
       fail("new_block_ids: " + who() + " has " + std::to_string(hi - lo) +
            " blocks, more than max_num_blocks_per_req = " + std::to_string(cfg_.max_num_blocks_per_req));
@@ -193,152 +191,200 @@ void StepPacker::validate_new_rows(const StepInput& in) {
       fail("new_block_ids: " + who() + " at position " + std::to_string(pos) + " needs " +
            std::to_string((pos + cfg_.q - 1) / cfg_.block_size + 1) + " blocks, got " + std::to_string(hi - lo));
   }
-  check_block_ids(cfg_, in.req_ids, "new_block_ids", in.new_rows, in.new_block_indptr,
-                  in.new_block_ids, in.m, in.l);
+  // Block ids: one branch-free min/max pass; the offender is looked up only on failure.
+  int32_t lo_id = INT32_MAX, hi_id = INT32_MIN;
+  const int32_t* __restrict ids = in.new_block_ids;
+  for (int64_t e = 0; e < in.l; ++e) {
+    lo_id = std::min(lo_id, ids[e]);
+    hi_id = std::max(hi_id, ids[e]);
+  }
+  const int64_t first = cfg_.first_block_id();
+  if (in.l > 0 && (lo_id < first || hi_id >= cfg_.num_kv_blocks)) {
+    int64_t e = 0;
+    while (ids[e] >= first && ids[e] < cfg_.num_kv_blocks) ++e;
+    const int64_t k = std::upper_bound(in.new_block_indptr, in.new_block_indptr + in.m + 1, e) -
+                      in.new_block_indptr - 1;
+    fail("new_block_ids: " + row_str(in.new_rows[k], in.req_ids[in.new_rows[k]]) +
+         " has block id " + std::to_string(ids[e]) + " outside [" + std::to_string(first) +
+         ", " + std::to_string(cfg_.num_kv_blocks) + ") (the null block is " +
+         std::to_string(cfg_.null_block) + ")");
+  }
 }
 
 void StepPacker::validate_appends(const StepInput& in) {
+  app_rows_.clear();
   for (int64_t e = 0; e < in.a; ++e) {
     const int64_t row = in.append_rows[e];
     if (row < 0 || row >= in.n)
       fail("append_rows[" + std::to_string(e) + "] = " + std::to_string(row) +
            " is outside [0, " + std::to_string(in.n) + ")");
     auto who = [&] { return row_str(row, in.req_ids[row]); };  // built only on failure
-    if (rec_of_row_[row] >= 0)
+    if (is_new(row))
       fail("append_rows: " + who() + " is a new row; put the block in its new_block_ids");
     const int64_t b = in.append_block_ids[e];
     if (b < cfg_.first_block_id() || b >= cfg_.num_kv_blocks)
       fail("append_block_ids: " + who() + " gets block id " + std::to_string(b) + " outside [" +
            std::to_string(cfg_.first_block_id()) + ", " + std::to_string(cfg_.num_kv_blocks) + ")");
+    if (app_stamp_[row] != stamp_) {
+      app_stamp_[row] = stamp_;
+      app_count_[row] = 0;
+      app_rows_.push_back(static_cast<int32_t>(row));
+    }
     ++app_count_[row];
   }
+  std::sort(app_rows_.begin(), app_rows_.end());  // records of appended rows in row order
 }
 
-// A rewritten row is a carried row (checked with the others in pack) that is neither new nor
-// appended to, listed once, with at most W blocks; its position is checked against its new
-// list in pack, where the position is known.
+// A rewritten row is a carried row (checked with the others in compute_touched) that is
+// neither new nor appended to, listed once, with at most W block ids in [first,
+// num_kv_blocks); its position is checked against its new list in compute_touched, where
+// the position is known.
 void StepPacker::validate_rewrites(const StepInput& in) {
-  check_indptr("rewrite_block_indptr", "rewrite_block_ids", in.rewrite_block_indptr, in.x, in.y);
+  if (in.rewrite_block_indptr == nullptr && in.x == 0 && in.y == 0) return;  // none given
+  const int32_t* indptr = in.rewrite_block_indptr;
+  if (indptr[0] != 0) fail("rewrite_block_indptr[0] must be 0, got " + std::to_string(indptr[0]));
+  if (indptr[in.x] != in.y)
+    fail("rewrite_block_indptr[-1] must equal len(rewrite_block_ids) = " + std::to_string(in.y) +
+         ", got " + std::to_string(indptr[in.x]));
+  for (int64_t k = 0; k < in.x; ++k)
+    if (indptr[k + 1] < indptr[k])
+      fail("rewrite_block_indptr must be non-decreasing, drops at " + std::to_string(k));
   for (int64_t k = 0; k < in.x; ++k) {
     const int64_t row = in.rewrite_rows[k];
     if (row < 0 || row >= in.n)
       fail("rewrite_rows[" + std::to_string(k) + "] = " + std::to_string(row) +
            " is outside [0, " + std::to_string(in.n) + ")");
     auto who = [&] { return row_str(row, in.req_ids[row]); };  // built only on failure
-    if (rec_of_row_[row] >= 0)
+    if (is_new(row))
       fail("rewrite_rows: " + who() + " is a new row; its new_block_ids are its whole list");
-    if (app_count_[row] > 0)
+    if (apps(row) > 0)
       fail("rewrite_rows: " + who() + " also has append_rows entries; end its "
            "rewrite_block_ids with the appended blocks instead");
-    if (rw_of_row_[row] >= 0)
+    if (rw_stamp_[row] == stamp_)
       fail("rewrite_rows: row " + std::to_string(row) + " appears twice, at positions " +
            std::to_string(rw_of_row_[row]) + " and " + std::to_string(k));
+    rw_stamp_[row] = stamp_;
     rw_of_row_[row] = static_cast<int32_t>(k);
-    const int64_t count = in.rewrite_block_indptr[k + 1] - in.rewrite_block_indptr[k];
+    const int64_t count = indptr[k + 1] - indptr[k];
     if (count > cfg_.max_num_blocks_per_req)
       fail("rewrite_block_ids: " + who() + " has " + std::to_string(count) +
            " blocks, more than max_num_blocks_per_req = " +
            std::to_string(cfg_.max_num_blocks_per_req));
   }
-  check_block_ids(cfg_, in.req_ids, "rewrite_block_ids", in.rewrite_rows,
-                  in.rewrite_block_indptr, in.rewrite_block_ids, in.x, in.y);
+  const int64_t first = cfg_.first_block_id();
+  for (int64_t e = 0; e < in.y; ++e) {
+    const int32_t b = in.rewrite_block_ids[e];
+    if (b >= first && b < cfg_.num_kv_blocks) continue;
+    const int64_t k = std::upper_bound(indptr, indptr + in.x + 1, e) - indptr - 1;
+    fail("rewrite_block_ids: " + row_str(in.rewrite_rows[k], in.req_ids[in.rewrite_rows[k]]) +
+         " has block id " + std::to_string(b) + " outside [" + std::to_string(first) + ", " +
+         std::to_string(cfg_.num_kv_blocks) + ") (the null block is " +
+         std::to_string(cfg_.null_block) + ")");
+  }
 }
 
-int64_t StepPacker::pack(const StepInput& in, int32_t* out, int64_t capacity) {
-  namespace st = staging;
-  const int64_t n = in.n;
-  if (n > cfg_.max_num_reqs)
-    fail("req_ids: " + std::to_string(n) + " rows exceed max_num_reqs = " +
-         std::to_string(cfg_.max_num_reqs));
-  const int64_t p = prev_num_reqs();
-  remap(in);
-  std::fill_n(rec_of_row_.begin(), n, -1);
-  std::fill_n(app_count_.begin(), n, 0);
-  std::fill_n(rw_of_row_.begin(), n, -1);
-  validate_new_rows(in);
-  validate_appends(in);
-  validate_rewrites(in);
+// The rows whose mirror this pack rewrites, in row order: with q = 1 the changed
+// rows (moved in, new, or given blocks), with draft tokens every row (positions
+// advance by per-row accepted counts).
+void StepPacker::collect_touched(const StepInput& in) {
+  touched_.clear();
+  if (cfg_.q > 1) {
+    for (int64_t i = 0; i < in.n; ++i) touched_.push_back(static_cast<int32_t>(i));
+    return;
+  }
+  auto touch = [&](int32_t row) {
+    if (touch_stamp_[row] == stamp_) return;
+    touch_stamp_[row] = stamp_;
+    touched_.push_back(row);
+  };
+  for (int32_t i : moved_) touch(i);
+  for (int64_t k = 0; k < in.m; ++k) touch(in.new_rows[k]);
+  for (int32_t i : app_rows_) touch(i);
+  for (int64_t k = 0; k < in.x; ++k) touch(in.rewrite_rows[k]);
+  std::sort(touched_.begin(), touched_.end());
+}
 
-  // Rows and their records: new rows take records [0, m), appended rows follow.
-  const int64_t max_len = cfg_.max_num_blocks_per_req * cfg_.block_size;
+[[noreturn]] void StepPacker::fail_blocks(const StepInput& in, int64_t row, int64_t pos,
+                                          int64_t nb, bool rewritten) const {
   const int64_t q = cfg_.q, bs = cfg_.block_size, w = cfg_.max_num_blocks_per_req;
-  int32_t* __restrict rec = rec_of_row_.data();
-  const int32_t* __restrict rm = remap_.data();
-  const int32_t* __restrict apps = app_count_.data();
-  const int32_t* __restrict prev_pos = prev_pos0_.data();
-  const int32_t* __restrict prev_nb = prev_nblocks_.data();
-  int32_t* __restrict pos0 = curr_pos0_.data();
-  int32_t* __restrict nblocks = curr_nblocks_.data();
-  int64_t m_total = in.m;
-  app_order_.clear();
-  for (int64_t i = 0; i < n; ++i) {
-    if (rec[i] >= 0) {
-      const int32_t k = rec[i];
-      pos0[i] = in.new_positions[k];
-      nblocks[i] = in.new_block_indptr[k + 1] - in.new_block_indptr[k];
-      curr_assumed_src_[i] = -1;
+  const std::string who = row_str(row, in.req_ids[row]);
+  if (nb > w)
+    fail("append_rows: " + who + " would hold " + std::to_string(nb) +
+         " blocks, more than max_num_blocks_per_req = " + std::to_string(w));
+  if (pos + q > w * bs)
+    fail("req_ids: " + who + " reaches position " + std::to_string(pos + q - 1) +
+         ", beyond max_num_blocks_per_req * block_size = " + std::to_string(w * bs));
+  if (rewritten)
+    fail("rewrite_block_ids: " + who + " at position " + std::to_string(pos + q - 1) +
+         " needs " + std::to_string((pos + q - 1) / bs + 1) + " blocks, got " +
+         std::to_string(nb));
+  fail("append_rows: " + who + " at position " + std::to_string(pos + q - 1) +
+       " needs block column " + std::to_string((pos + q - 1) / bs) + " but holds " +
+       std::to_string(nb) + " blocks; append a block");
+}
+
+// The next state of every touched row, into t_*; src_of_[row] = its previous row.
+void StepPacker::compute_touched(const StepInput& in) {
+  const int64_t q = cfg_.q, bs = cfg_.block_size, w = cfg_.max_num_blocks_per_req;
+  const int64_t s = step_ + 1;
+  for (size_t k = 0; k < touched_.size(); ++k) {
+    const int32_t i = touched_[k];
+    if (is_new(i)) {
+      const int32_t r = rec_of_row_[i];
+      t_key_[k] = in.new_positions[r] - q * s;
+      t_nb_[k] = in.new_block_indptr[r + 1] - in.new_block_indptr[r];
+      t_assumed_[k] = -1;
+      src_of_[i] = -1;
       continue;
     }
-    const int32_t j = rm[i];
+    const int32_t j = same_request(in, i) ? i : remap_[i];
     if (j < 0)
       fail("new_rows: " + row_str(i, in.req_ids[i]) +
            " was not in the previous step and has no new-row payload");
-    const int64_t pos = prev_pos[j] + prev_adv_[j];
-    const int32_t kw = rw_of_row_[i];  // a rewritten row brings its whole list
+    const int64_t pos = key_[j] + q * step_ + adv_[j];
+    const int32_t kw = rewrite_of(i);  // a rewritten row brings its whole list
     const int64_t nb = kw >= 0 ? in.rewrite_block_indptr[kw + 1] - in.rewrite_block_indptr[kw]
-                               : prev_nb[j] + apps[i];
-    if (nb > w || pos + q > max_len || pos + q > nb * bs) {  // no division on this path
-      const std::string who = row_str(i, in.req_ids[i]);
-      if (nb > w)
-        fail("append_rows: " + who + " would hold " + std::to_string(nb) +
-             " blocks, more than max_num_blocks_per_req = " + std::to_string(w));
-      if (pos + q > max_len)
-        fail("req_ids: " + who + " reaches position " + std::to_string(pos + q - 1) +
-             ", beyond max_num_blocks_per_req * block_size = " + std::to_string(max_len));
-      if (kw >= 0)
-        fail("rewrite_block_ids: " + who + " at position " + std::to_string(pos + q - 1) +
-             " needs " + std::to_string((pos + q - 1) / bs + 1) + " blocks, got " +
-             std::to_string(nb));
-      fail("append_rows: " + who + " at position " + std::to_string(pos + q - 1) +
-           " needs block column " + std::to_string((pos + q - 1) / bs) + " but holds " +
-           std::to_string(nb) + " blocks; append a block");
-    }
-    pos0[i] = static_cast<int32_t>(pos);
-    nblocks[i] = static_cast<int32_t>(nb);
+                               : nb_[j] + apps(i);
+    if (nb > w || pos + q > nb * bs) fail_blocks(in, i, pos, nb, kw >= 0);  // no division here
+    t_key_[k] = pos - q * s;
+    t_nb_[k] = static_cast<int32_t>(nb);
     // q > 1: a count still assumed (q) is corrected when it arrives, steps_ago = 1.
-    curr_assumed_src_[i] = (q > 1 && prev_adv_[j] == q) ? j : -1;
-    if (apps[i] > 0 || kw >= 0) {
-      rec[i] = static_cast<int32_t>(m_total++);
-      app_order_.push_back(static_cast<int32_t>(i));
-    }
+    t_assumed_[k] = (q > 1 && adv_[j] == q) ? j : -1;
+    src_of_[i] = j;
   }
-  const int64_t l_total = in.l + in.a + in.y;
-  const int64_t words = st::total_words(n, m_total, l_total);
-  if (words > capacity)
-    fail("out: the staging record needs " + std::to_string(words) + " words, capacity is " +
-         std::to_string(capacity));
+}
 
-  // Everything is valid: write the record, then commit the mirror.
-  int32_t* row_src = out + st::kHeaderWords;
-  int32_t* row_rec = row_src + n;
-  int32_t* records = row_rec + n;
+// q = 1: rows that keep their request and get no block are not visited above;
+// those whose blocks run out at this pack are in this pack's deadline bucket.
+// Returns the rows visited.
+int64_t StepPacker::check_deadlines(const StepInput& in) {
+  if (cfg_.q > 1) return 0;
+  const int64_t s = step_ + 1;
+  int64_t visited = 0;
+  for (int32_t row = dl_head_[s & dl_mask_]; row >= 0; row = dl_next_[row]) {
+    ++visited;
+    if (deadline_[row] != s || row >= in.n || touch_stamp_[row] == stamp_) continue;
+    fail_blocks(in, row, key_[row] + s, nb_[row]);  // kept its request, got no block
+  }
+  return visited;
+}
+
+void StepPacker::write_record(const StepInput& in, int32_t* out, int32_t seq) {
+  namespace st = staging;
+  const int64_t n = in.n, m_app = in.m + static_cast<int64_t>(app_rows_.size());
+  const int64_t m_total = m_app + in.x;
+  const int64_t c = static_cast<int64_t>(listed_.size()) + (list_every_row ? n : 0);
+  int32_t* list = out + st::kHeaderWords;
+  int32_t* records = list + st::kListWords * c;
   int32_t* blocks = records + st::kRecordWords * m_total;
-  std::fill_n(out, st::kHeaderWords, 0);
   out[st::kNumReqs] = static_cast<int32_t>(n);
   out[st::kNumTokens] = static_cast<int32_t>(n * cfg_.q);
-  out[st::kPrevReqs] = static_cast<int32_t>(p);
+  out[st::kPrevReqs] = static_cast<int32_t>(prev_n_);
   out[st::kNumRecords] = static_cast<int32_t>(m_total);
-  out[st::kNumBlockIds] = static_cast<int32_t>(l_total);
+  out[st::kNumBlockIds] = static_cast<int32_t>(in.l + in.a + in.y);
   out[st::kQ] = static_cast<int32_t>(cfg_.q);
-  {
-    const int32_t* __restrict rec = rec_of_row_.data();
-    const int32_t* __restrict rm = remap_.data();
-    const int32_t m = static_cast<int32_t>(in.m);
-    for (int64_t i = 0; i < n; ++i) {  // records [0, m) belong to new rows
-      row_src[i] = (rec[i] >= 0 && rec[i] < m) ? -1 : rm[i];
-      row_rec[i] = rec[i];
-    }
-  }
+  out[st::kNumListed] = static_cast<int32_t>(c);
+  out[st::kSeq] = seq;
   std::copy_n(in.new_block_ids, in.l, blocks);
   for (int64_t k = 0; k < in.m; ++k) {
     int32_t* r = records + st::kRecordWords * k;
@@ -348,36 +394,122 @@ int64_t StepPacker::pack(const StepInput& in, int32_t* out, int64_t capacity) {
     r[st::kCount] = in.new_block_indptr[k + 1] - in.new_block_indptr[k];
     r[st::kBlkOff] = in.new_block_indptr[k];
   }
-  // Carried rows' records in row order: a rewritten row's whole list (col0 = 0), else its
-  // appended blocks, grouped by row in input order (a counting sort).
+  // Appended blocks, grouped by row (rows in row order, blocks in input order).
   int64_t off = in.l;
-  for (int32_t i : app_order_) {
-    int32_t* r = records + st::kRecordWords * rec_of_row_[i];
+  for (size_t e = 0; e < app_rows_.size(); ++e) {
+    const int32_t i = app_rows_[e];
+    rec_stamp_[i] = stamp_;
+    rec_of_row_[i] = static_cast<int32_t>(in.m + e);
+    app_start_[i] = static_cast<int32_t>(off);
+    int32_t* r = records + st::kRecordWords * (in.m + e);
     r[st::kToken] = -1;
     r[st::kPos0] = -1;
+    r[st::kCol0] = nb_[src_of_[i]];
+    r[st::kCount] = app_count_[i];
     r[st::kBlkOff] = static_cast<int32_t>(off);
-    const int32_t kw = rw_of_row_[i];
-    if (kw >= 0) {
-      const int32_t lo = in.rewrite_block_indptr[kw], count = in.rewrite_block_indptr[kw + 1] - lo;
-      r[st::kCol0] = 0;
-      r[st::kCount] = count;
-      std::copy_n(in.rewrite_block_ids + lo, count, blocks + off);
-      off += count;
-    } else {
-      app_start_[i] = static_cast<int32_t>(off);
-      r[st::kCol0] = prev_nblocks_[remap_[i]];
-      r[st::kCount] = app_count_[i];
-      off += app_count_[i];
-    }
+    off += app_count_[i];
   }
   for (int64_t e = 0; e < in.a; ++e) blocks[app_start_[in.append_rows[e]]++] = in.append_block_ids[e];
+  // Rewritten rows: each one's whole list (col0 = 0, token = pos0 = -1), in rewrite_rows order.
+  std::copy_n(in.rewrite_block_ids, in.y, blocks + in.l + in.a);
+  for (int64_t k = 0; k < in.x; ++k) {
+    const int32_t i = in.rewrite_rows[k];
+    rec_stamp_[i] = stamp_;
+    rec_of_row_[i] = static_cast<int32_t>(m_app + k);
+    int32_t* r = records + st::kRecordWords * (m_app + k);
+    r[st::kToken] = -1;
+    r[st::kPos0] = -1;
+    r[st::kCol0] = 0;
+    r[st::kCount] = in.rewrite_block_indptr[k + 1] - in.rewrite_block_indptr[k];
+    r[st::kBlkOff] = static_cast<int32_t>(in.l + in.a + in.rewrite_block_indptr[k]);
+  }
+  auto entry = [&](int64_t k, int32_t row, int32_t src, int32_t rec) {
+    int32_t* e = list + st::kListWords * k;
+    e[st::kListRow] = row;
+    e[st::kListSrc] = src;
+    e[st::kListRec] = rec;
+  };
+  auto rec_of = [&](int32_t row) { return rec_stamp_[row] == stamp_ ? rec_of_row_[row] : -1; };
+  if (list_every_row) {  // dense: every row, an unchanged one as (row, row, -1)
+    for (int64_t i = 0; i < n; ++i) {
+      const bool t = touch_stamp_[i] == stamp_;
+      entry(i, static_cast<int32_t>(i), t ? src_of_[i] : static_cast<int32_t>(i),
+            rec_of(static_cast<int32_t>(i)));
+    }
+  } else {
+    for (size_t k = 0; k < listed_.size(); ++k) entry(k, listed_[k], src_of_[listed_[k]],
+                                                      rec_of(listed_[k]));
+  }
+}
 
-  prev_prev_num_reqs_ = p;
-  commit_index(in);
-  std::fill_n(prev_adv_.begin(), n, static_cast<int32_t>(q));  // worst case until counts arrive
-  std::swap(prev_assumed_src_, curr_assumed_src_);
-  std::swap(prev_pos0_, curr_pos0_);
-  std::swap(prev_nblocks_, curr_nblocks_);
+// Everything is valid and written: the mirror, the deadlines and the index follow.
+void StepPacker::commit(const StepInput& in) {
+  const int64_t n = in.n, p = prev_n_, q = cfg_.q, bs = cfg_.block_size;
+  const int64_t s = step_ + 1;
+  if (q == 1)
+    for (int64_t j = n; j < p; ++j) unlink(static_cast<int32_t>(j));  // rows gone
+  for (size_t k = 0; k < touched_.size(); ++k) {
+    const int32_t i = touched_[k];
+    key_[i] = t_key_[k];
+    nb_[i] = t_nb_[k];
+    adv_[i] = static_cast<int32_t>(q);  // worst case until counts arrive
+    assumed_[i] = t_assumed_[k];
+    if (q == 1) {
+      unlink(i);
+      link(i, t_nb_[k] * bs - t_key_[k]);  // first pack at which key + s + 1 > nb * bs
+    }
+  }
+  // The index: requests that left (their row changed and nobody claimed it) go, moved
+  // and new requests take their rows.
+  for (int32_t j : moved_)
+    if (j < p && claim_stamp_[j] != stamp_) index_.erase(ids_[j]);
+  for (int64_t j = n; j < p; ++j)
+    if (claim_stamp_[j] != stamp_) index_.erase(ids_[j]);
+  for (int32_t i : moved_) {
+    index_.assign(in.req_ids[i], i);
+    ids_[i] = in.req_ids[i];
+  }
+  prev_prev_n_ = p;
+  prev_n_ = n;
+  step_ = s;
+}
+
+int64_t StepPacker::pack(const StepInput& in, int32_t* out, int64_t capacity, int32_t seq) {
+  namespace st = staging;
+  const int64_t n = in.n;
+  if (n > cfg_.max_num_reqs)
+    fail("req_ids: " + std::to_string(n) + " rows exceed max_num_reqs = " +
+         std::to_string(cfg_.max_num_reqs));
+  if (++stamp_ == 0) {  // wrapped: old stamps could look current
+    for (auto* v : {&rec_stamp_, &app_stamp_, &claim_stamp_, &touch_stamp_, &rw_stamp_})
+      std::fill(v->begin(), v->end(), 0);
+    stamp_ = 1;
+  }
+  new_records_ = in.m;
+  find_changed(in);
+  validate_new_rows(in);
+  validate_appends(in);
+  validate_rewrites(in);
+  collect_touched(in);
+  compute_touched(in);
+  const int64_t deadline_visits = check_deadlines(in);
+
+  // Listed rows: those whose request is new or moved, or that get blocks or a new list.
+  listed_.clear();
+  if (!list_every_row)
+    for (int32_t i : touched_)
+      if (src_of_[i] != i || is_new(i) || apps(i) > 0 || rewrite_of(i) >= 0)
+        listed_.push_back(i);
+  const int64_t c = list_every_row ? n : static_cast<int64_t>(listed_.size());
+  const int64_t words = st::total_words(c, in.m + static_cast<int64_t>(app_rows_.size()) + in.x,
+                                        in.l + in.a + in.y);
+  if (words > capacity)
+    fail("out: the staging record needs " + std::to_string(words) + " words, capacity is " +
+         std::to_string(capacity));
+  if (list_every_row) listed_.clear();
+  write_record(in, out, seq);
+  commit(in);
+  rows_visited_ = static_cast<int64_t>(touched_.size()) + deadline_visits;
   return words;
 }
 

@@ -1,8 +1,9 @@
-// StepPacker: all per-step host work that grows with the number of rows, in one
-// O(N + M + A + X) pass: remap, validation and packing of the staging record
-// (layout in staging.h). Keeps a small mirror of the previous step's rows
-// (request id, first position, block count) so that bad input is caught on the
-// host, before anything is written or uploaded.
+// StepPacker: all per-step host work of a decode step: remap, validation and
+// packing of the staging record (layout in staging.h), in O(changed rows + M + L
+// + A + X + Y) when q = 1 (plus a block compare of the request ids), O(N + M + L + A)
+// with draft tokens. Keeps a mirror of the previous step's rows (request id,
+// first position, block count), updated in place for the rows that change, so
+// that bad input is caught on the host, before anything is written.
 #pragma once
 #include <cstdint>
 #include <vector>
@@ -50,9 +51,12 @@ class StepPacker {
  public:
   explicit StepPacker(const PackerConfig& cfg);
   // Validates `in` against the previous step, then writes its staging record
-  // into out[0, words) and returns words. Throws std::invalid_argument naming
-  // the field, row and value; on a throw neither `out` nor the mirror changed.
-  int64_t pack(const StepInput& in, int32_t* out, int64_t capacity);
+  // into out[0, words) and returns words; `seq` goes to the record's SEQ word.
+  // Throws std::invalid_argument naming the field, row and value; on a throw
+  // neither `out` nor the mirror changed. With q = 1 the host work is
+  // O(changed rows): a row that keeps its request and gets no block is neither
+  // visited nor listed (docs/ZOS.md, "The staging record").
+  int64_t pack(const StepInput& in, int32_t* out, int64_t capacity, int32_t seq = 0);
   // Exact accepted counts (tokens each row kept, in [1, q]) of the last packed
   // step (steps_ago = 0) or of the one before it (steps_ago = 1), one per row of
   // that step. Until a step's counts arrive the mirror assumes every draft was
@@ -62,30 +66,70 @@ class StepPacker {
   void apply_accepted(const int32_t* accepted, int64_t n, int64_t steps_ago);
   // Forgets the previous step: every row of the next step must be new.
   void reset();
-  int64_t prev_num_reqs() const { return static_cast<int64_t>(prev_ids_.size()); }
+  int64_t prev_num_reqs() const { return prev_n_; }
   const PackerConfig& config() const { return cfg_; }
+  // Rows the last successful pack visited: the changed rows (all rows when q > 1)
+  // plus the rows whose deadline bucket came up. Tests use it to check O(changed).
+  int64_t rows_visited() const { return rows_visited_; }
+  // The dense record: list every row, changed or not (a reference and fallback).
+  bool list_every_row = false;
 
  private:
-  void remap(const StepInput& in);
-  void commit_index(const StepInput& in);
+  void find_changed(const StepInput& in);
   void validate_new_rows(const StepInput& in);
   void validate_appends(const StepInput& in);
   void validate_rewrites(const StepInput& in);
+  void collect_touched(const StepInput& in);
+  void compute_touched(const StepInput& in);
+  int64_t check_deadlines(const StepInput& in);
+  void write_record(const StepInput& in, int32_t* out, int32_t seq);
+  void commit(const StepInput& in);
+  [[noreturn]] void fail_blocks(const StepInput& in, int64_t row, int64_t pos, int64_t nb,
+                                bool rewritten = false) const;
+  bool same_request(const StepInput& in, int64_t i) const {
+    return i < prev_n_ && in.req_ids[i] == ids_[i];
+  }
+  bool is_new(int64_t row) const {
+    return rec_stamp_[row] == stamp_ && rec_of_row_[row] < new_records_;
+  }
+  int32_t apps(int64_t row) const { return app_stamp_[row] == stamp_ ? app_count_[row] : 0; }
+  // Row's index in rewrite_rows this pack, or -1.
+  int32_t rewrite_of(int64_t row) const { return rw_stamp_[row] == stamp_ ? rw_of_row_[row] : -1; }
+  void link(int32_t row, int64_t deadline);
+  void unlink(int32_t row);
 
   PackerConfig cfg_;
   RequestIndex index_;  // request id -> row of the previous step
   RowIndex new_ids_;    // ids absent from the previous step, for duplicate checks
-  std::vector<int32_t> remap_, rec_of_row_, app_count_, app_start_, app_order_;
-  std::vector<int32_t> rw_of_row_;  // per row: its index in rewrite_rows, or -1
-  std::vector<int32_t> taken_by_;  // per previous row: 1 + the row that holds it now, or 0
-  std::vector<int32_t> moved_;     // rows whose request is not where it was
-  std::vector<int64_t> prev_ids_;
-  std::vector<int32_t> prev_pos0_, prev_nblocks_, curr_pos0_, curr_nblocks_;
-  // Speculative decoding: per row of the last packed step, the advance to its next
-  // position (q until its accepted count is known) and the row of the step before
-  // whose count was assumed q when its position was set (-1: exact).
-  std::vector<int32_t> prev_adv_, prev_assumed_src_, curr_assumed_src_;
-  int64_t prev_prev_num_reqs_ = 0;
+
+  // The mirror of the last packed step, per row, updated in place for the rows
+  // that change: request id, block count, and the position as a key: row i's
+  // first position at pack number s is key_[i] + q * s (s = step_ for the last
+  // step). A carried row that advances by q keeps its key, so an unchanged row
+  // costs nothing per step. adv_: its advance to the next step (q until the
+  // accepted counts arrive); assumed_: the row of the step before whose count
+  // was assumed q when its position was set (-1: exact).
+  std::vector<int64_t> ids_, key_;
+  std::vector<int32_t> nb_, adv_, assumed_;
+  int64_t prev_n_ = 0, prev_prev_n_ = 0, step_ = 0;
+
+  // q = 1: the pack number at which each row's blocks run out (deadline_ = -1:
+  // none), kept in intrusive lists bucketed by deadline & dl_mask_, so each pack
+  // visits only the rows whose deadline is now (docs/ZOS.md).
+  std::vector<int64_t> deadline_;
+  std::vector<int32_t> dl_head_, dl_next_, dl_prev_;
+  int64_t dl_mask_ = 0;
+
+  // Per-pack scratch, valid where the row's stamp equals stamp_ (no O(N) clears).
+  uint32_t stamp_ = 0;
+  int64_t new_records_ = 0;
+  std::vector<uint32_t> rec_stamp_, app_stamp_, claim_stamp_, touch_stamp_, rw_stamp_;
+  std::vector<int32_t> rec_of_row_, app_count_, app_start_, claim_row_, remap_, src_of_;
+  std::vector<int32_t> rw_of_row_;  // per row: its index in rewrite_rows (rw_stamp_)
+  std::vector<int32_t> moved_, app_rows_, touched_, listed_;
+  std::vector<int64_t> t_key_;
+  std::vector<int32_t> t_nb_, t_assumed_;
+  int64_t rows_visited_ = 0;
 };
 
 }  // namespace zos

@@ -2,6 +2,7 @@
 
 #include <dlfcn.h>
 
+#include <algorithm>
 #include <stdexcept>
 #include <string>
 
@@ -19,6 +20,14 @@ struct Driver {
   CUresult (*event_synchronize)(void*);
   CUresult (*memcpy_htod_async)(uint64_t, const void*, size_t, void*);
   CUresult (*get_error_string)(CUresult, const char**);
+  CUresult (*event_query)(void*);
+  CUresult (*mem_host_alloc)(void**, size_t, unsigned);
+  CUresult (*mem_free_host)(void*);
+  CUresult (*mem_host_get_device_pointer)(uint64_t*, void*, unsigned);
+  CUresult (*init)(unsigned);
+  CUresult (*device_get)(int*, int);
+  CUresult (*primary_ctx_retain)(void**, int);
+  CUresult (*primary_ctx_release)(int);
 };
 
 const Driver& driver() {
@@ -40,6 +49,17 @@ const Driver& driver() {
     r.memcpy_htod_async =
         reinterpret_cast<decltype(r.memcpy_htod_async)>(sym("cuMemcpyHtoDAsync_v2"));
     r.get_error_string = reinterpret_cast<decltype(r.get_error_string)>(sym("cuGetErrorString"));
+    r.event_query = reinterpret_cast<decltype(r.event_query)>(sym("cuEventQuery"));
+    r.mem_host_alloc = reinterpret_cast<decltype(r.mem_host_alloc)>(sym("cuMemHostAlloc"));
+    r.mem_free_host = reinterpret_cast<decltype(r.mem_free_host)>(sym("cuMemFreeHost"));
+    r.mem_host_get_device_pointer = reinterpret_cast<decltype(r.mem_host_get_device_pointer)>(
+        sym("cuMemHostGetDevicePointer_v2"));
+    r.init = reinterpret_cast<decltype(r.init)>(sym("cuInit"));
+    r.device_get = reinterpret_cast<decltype(r.device_get)>(sym("cuDeviceGet"));
+    r.primary_ctx_retain =
+        reinterpret_cast<decltype(r.primary_ctx_retain)>(sym("cuDevicePrimaryCtxRetain"));
+    r.primary_ctx_release =
+        reinterpret_cast<decltype(r.primary_ctx_release)>(sym("cuDevicePrimaryCtxRelease_v2"));
     return r;
   }();
   return d;
@@ -53,39 +73,93 @@ void check(CUresult rc, const char* what) {
                            (msg ? msg : "error " + std::to_string(rc)));
 }
 
+// The context the driver calls of an object run in. device >= 0: that device's primary
+// context (the one the CUDA runtime, and so torch, uses), retained here, so the object
+// works on a thread that has not touched CUDA yet (a serving loop's background thread);
+// *retained is then the device, else -1. device < 0: the context current on this thread.
+void* context_of(int64_t device, int* retained, const char* who) {
+  const Driver& d = driver();
+  void* ctx = nullptr;
+  *retained = -1;
+  if (device >= 0) {
+    check(d.init(0), "cuInit");
+    int dev = 0;
+    check(d.device_get(&dev, static_cast<int>(device)), "cuDeviceGet");
+    check(d.primary_ctx_retain(&ctx, dev), "cuDevicePrimaryCtxRetain");
+    *retained = dev;
+    return ctx;
+  }
+  check(d.ctx_get_current(&ctx), "cuCtxGetCurrent");
+  if (!ctx)
+    throw std::runtime_error(std::string(who) + ": no CUDA context is current on this thread "
+                             "(pass the device)");
+  return ctx;
+}
+
+// Makes ctx current for one call and puts the thread's previous context back, so that
+// a ring of device 0 used on a thread working on device 1 leaves that thread on device 1.
+// A thread with no context keeps ctx (what the runtime would make current anyway).
+class ContextScope {
+ public:
+  explicit ContextScope(void* ctx) {
+    check(driver().ctx_get_current(&prev_), "cuCtxGetCurrent");
+    if (prev_ != ctx) check(driver().ctx_set_current(ctx), "cuCtxSetCurrent");
+    restore_ = prev_ != nullptr && prev_ != ctx;
+  }
+  ~ContextScope() {
+    if (restore_) driver().ctx_set_current(prev_);  // errors ignored: nothing to report to
+  }
+  ContextScope(const ContextScope&) = delete;
+  ContextScope& operator=(const ContextScope&) = delete;
+
+ private:
+  void* prev_ = nullptr;
+  bool restore_ = false;
+};
+
 constexpr unsigned kEventDisableTiming = 0x2;
+constexpr unsigned kMemHostAllocPortable = 0x1;   // CU_MEMHOSTALLOC_PORTABLE
+constexpr unsigned kMemHostAllocDeviceMap = 0x2;  // CU_MEMHOSTALLOC_DEVICEMAP
+constexpr CUresult kErrorNotReady = 600;          // CUDA_ERROR_NOT_READY
 
 }  // namespace
 
-PinnedUpload::PinnedUpload(uint64_t dst, uint64_t src0, uint64_t src1, int64_t capacity)
+PinnedUpload::PinnedUpload(uint64_t dst, uint64_t src0, uint64_t src1, int64_t capacity,
+                           int64_t device)
     : dst_(dst), src_{src0, src1}, capacity_(capacity) {
   const Driver& d = driver();
-  check(d.ctx_get_current(&ctx_), "cuCtxGetCurrent");
-  if (!ctx_) throw std::runtime_error("PinnedUpload: no CUDA context is current on this thread");
-  for (auto& f : fence_) check(d.event_create(&f, kEventDisableTiming), "cuEventCreate");
+  ctx_ = context_of(device, &retained_, "PinnedUpload");
+  try {
+    ContextScope scope(ctx_);
+    for (auto& f : fence_) check(d.event_create(&f, kEventDisableTiming), "cuEventCreate");
+  } catch (...) {
+    for (auto* f : fence_)
+      if (f) d.event_destroy(f);
+    if (retained_ >= 0) d.primary_ctx_release(retained_);
+    throw;
+  }
 }
 
 PinnedUpload::~PinnedUpload() {
-  for (auto* f : fence_)
-    if (f) {
-      driver().event_synchronize(f);  // errors ignored: nothing to report to in a destructor
-      driver().event_destroy(f);
-    }
+  try {
+    ContextScope scope(ctx_);
+    for (auto* f : fence_)
+      if (f) {
+        driver().event_synchronize(f);  // errors ignored: nothing to report to in a destructor
+        driver().event_destroy(f);
+      }
+  } catch (...) {
+  }
+  if (retained_ >= 0) driver().primary_ctx_release(retained_);
 }
 
 void PinnedUpload::synchronize() {
-  bind_context();
+  ContextScope scope(ctx_);
   for (auto* f : fence_) check(driver().event_synchronize(f), "cuEventSynchronize");
 }
 
-void PinnedUpload::bind_context() {
-  void* cur = nullptr;
-  check(driver().ctx_get_current(&cur), "cuCtxGetCurrent");
-  if (cur != ctx_) check(driver().ctx_set_current(ctx_), "cuCtxSetCurrent");
-}
-
 int PinnedUpload::acquire() {
-  bind_context();
+  ContextScope scope(ctx_);
   check(driver().event_synchronize(fence_[turn_]), "cuEventSynchronize");
   return turn_;
 }
@@ -97,13 +171,89 @@ void PinnedUpload::submit(int k, int64_t nbytes, uint64_t stream) {
   if (nbytes < 0 || nbytes > capacity_)
     throw std::invalid_argument("submit: nbytes " + std::to_string(nbytes) + " outside [0, " +
                                 std::to_string(capacity_) + "]");
-  bind_context();
+  ContextScope scope(ctx_);
   void* s = reinterpret_cast<void*>(stream);
   check(driver().memcpy_htod_async(dst_, reinterpret_cast<const void*>(src_[k]),
                                    static_cast<size_t>(nbytes), s),
         "cuMemcpyHtoDAsync");
   check(driver().event_record(fence_[k], s), "cuEventRecord");
   turn_ = 1 - k;
+}
+
+MappedRing::MappedRing(int64_t num_slots, int64_t slot_words, int64_t device)
+    : num_slots_(num_slots), slot_words_(slot_words) {
+  if (num_slots < 1 || slot_words < 1)
+    throw std::invalid_argument("MappedRing: num_slots and slot_words must be positive, got " +
+                                std::to_string(num_slots) + " and " + std::to_string(slot_words));
+  const Driver& d = driver();
+  ctx_ = context_of(device, &retained_, "MappedRing");
+  void* p = nullptr;
+  try {
+    ContextScope scope(ctx_);
+    const size_t bytes = static_cast<size_t>(num_slots * slot_words) * sizeof(int32_t);
+    check(d.mem_host_alloc(&p, bytes, kMemHostAllocPortable | kMemHostAllocDeviceMap),
+          "cuMemHostAlloc");
+    host_ = static_cast<int32_t*>(p);
+    std::fill_n(host_, num_slots * slot_words, 0);  // N = 0 and SEQ = 0 in every slot
+    check(d.mem_host_get_device_pointer(&device_, p, 0), "cuMemHostGetDevicePointer");
+    fence_.assign(static_cast<size_t>(num_slots), nullptr);
+    for (auto& f : fence_) check(d.event_create(&f, kEventDisableTiming), "cuEventCreate");
+  } catch (...) {
+    for (auto* f : fence_)
+      if (f) d.event_destroy(f);
+    if (p) d.mem_free_host(p);
+    if (retained_ >= 0) d.primary_ctx_release(retained_);
+    throw;
+  }
+}
+
+MappedRing::~MappedRing() {
+  try {
+    synchronize();
+  } catch (...) {  // nothing to report to in a destructor; free anyway
+  }
+  try {
+    ContextScope scope(ctx_);
+    for (auto* f : fence_)
+      if (f) driver().event_destroy(f);
+    if (host_) driver().mem_free_host(host_);
+  } catch (...) {  // nothing to report to in a destructor
+  }
+  if (retained_ >= 0) driver().primary_ctx_release(retained_);
+}
+
+int MappedRing::acquire(uint64_t stream) {
+  ContextScope scope(ctx_);
+  const Driver& d = driver();
+  if (pending_ >= 0) {
+    check(d.event_record(fence_[pending_], reinterpret_cast<void*>(stream)), "cuEventRecord");
+    pending_ = -1;
+  }
+  last_stream_ = stream;
+  const CUresult rc = d.event_query(fence_[next_]);
+  if (rc == kErrorNotReady) {
+    ++waits_;
+    check(d.event_synchronize(fence_[next_]), "cuEventSynchronize");
+  } else {
+    check(rc, "cuEventQuery");
+  }
+  return next_;
+}
+
+void MappedRing::commit() {
+  pending_ = next_;
+  next_ = static_cast<int>((next_ + 1) % num_slots_);
+}
+
+void MappedRing::synchronize() {
+  ContextScope scope(ctx_);
+  const Driver& d = driver();
+  if (pending_ >= 0) {
+    check(d.event_record(fence_[pending_], reinterpret_cast<void*>(last_stream_)),
+          "cuEventRecord");
+    pending_ = -1;
+  }
+  for (auto* f : fence_) check(d.event_synchronize(f), "cuEventSynchronize");
 }
 
 }  // namespace zos

@@ -6,15 +6,19 @@
 // buffer that an enqueued copy has not read yet (docs/ZOS.md, "Kernels inside the graph").
 #pragma once
 #include <cstdint>
+#include <vector>
 
 namespace zos {
 
 class PinnedUpload {
  public:
   // dst: device address of the staging buffer; src0/src1: the two pinned host
-  // buffers; capacity: bytes each holds. Throws std::runtime_error if the
-  // driver cannot be loaded or no CUDA context is current on this thread.
-  PinnedUpload(uint64_t dst, uint64_t src0, uint64_t src1, int64_t capacity);
+  // buffers; capacity: bytes each holds; device: the CUDA device ordinal, whose
+  // primary context is retained and used on any thread (-1: the context current on
+  // this thread). Throws std::runtime_error if the driver cannot be loaded, or
+  // device is -1 and no CUDA context is current on this thread.
+  PinnedUpload(uint64_t dst, uint64_t src0, uint64_t src1, int64_t capacity,
+               int64_t device = -1);
   ~PinnedUpload();
   PinnedUpload(const PinnedUpload&) = delete;
   PinnedUpload& operator=(const PinnedUpload&) = delete;
@@ -28,13 +32,61 @@ class PinnedUpload {
   void synchronize();
 
  private:
-  void bind_context();
   uint64_t dst_;
   uint64_t src_[2];
   int64_t capacity_;
   void* ctx_ = nullptr;
+  int retained_ = -1;  // the device whose primary context ctx_ is (retained), else -1
   void* fence_[2] = {nullptr, nullptr};
   int turn_ = 0;
+};
+
+// MappedRing: the zero-copy staging ring (docs/ZOS.md, "The staging record").
+// num_slots records of slot_words int32 words in pinned host memory that is
+// mapped into the device's address space (cuMemHostAlloc with DEVICEMAP; the
+// prep kernels read it through device_ptr()), and one fence per slot: the host
+// writes slot k only after the build that last read slot k has finished. The
+// fence of the slot staged last is recorded at the next acquire, on that call's
+// stream, i.e. after the build of that step was enqueued; so the host waits only
+// when it is num_slots steps ahead of the device.
+class MappedRing {
+ public:
+  // device: the CUDA device ordinal; its primary context (the CUDA runtime's and
+  // torch's) is retained and made current for every driver call, so the ring can be
+  // built and used on any thread, one that never touched CUDA included (-1: the
+  // context current on this thread). Throws std::runtime_error if the driver cannot
+  // be loaded, device is -1 and no CUDA context is current on this thread, or the
+  // memory cannot be allocated and mapped.
+  MappedRing(int64_t num_slots, int64_t slot_words, int64_t device = -1);
+  ~MappedRing();
+  MappedRing(const MappedRing&) = delete;
+  MappedRing& operator=(const MappedRing&) = delete;
+
+  // Records the fence of the slot committed last (if any) on `stream`, waits for
+  // the fence of the next slot, and returns that slot's index.
+  int acquire(uint64_t stream);
+  // The acquired slot holds a staged record now: the next acquire fences it and
+  // moves on to the following slot.
+  void commit();
+  // Fences the slot committed last on the stream of the last acquire and waits
+  // for every slot's fence (before the memory is freed).
+  void synchronize();
+  uint64_t host_ptr() const { return reinterpret_cast<uint64_t>(host_); }
+  uint64_t device_ptr() const { return device_; }
+  int64_t num_slots() const { return num_slots_; }
+  int64_t slot_words() const { return slot_words_; }
+  int64_t waits() const { return waits_; }  // acquires that found their slot still in use
+
+ private:
+  int64_t num_slots_, slot_words_;
+  void* ctx_ = nullptr;
+  int retained_ = -1;  // the device whose primary context ctx_ is (retained), else -1
+  int32_t* host_ = nullptr;
+  uint64_t device_ = 0;
+  std::vector<void*> fence_;
+  int next_ = 0, pending_ = -1;
+  uint64_t last_stream_ = 0;
+  int64_t waits_ = 0;
 };
 
 }  // namespace zos

@@ -527,3 +527,127 @@ def test_failed_takeover_leaves_the_owner(first, monkeypatch):
         assert torch.equal(getattr(a.buffers, f), t), f
     md = a.prepare(DecodeStep.build([1]))
     assert md.positions[:1].tolist() == [1] and md.block_table[0, :2].tolist() == [7, 0]
+
+
+class _MovingWorkload:
+    """N in [n_lo, n_hi] rows with moves: each step every carried row advances a token (an
+    appended block when it crosses one), ~5% of rows are replaced in place, and now and
+    then rows swap, the batch grows or it shrinks (the last rows move into the holes)."""
+
+    def __init__(self, seed, n_lo, n_hi, block_size, max_blocks):
+        self.rng = np.random.default_rng(seed)
+        self.n_lo, self.n_hi, self.bs, self.w = n_lo, n_hi, block_size, max_blocks
+        self.next_id, self.next_block = 0, 1
+        self.rows = []  # [request id, position, blocks]
+
+    def _new(self):
+        self.next_id += 1
+        pos = int(self.rng.integers(0, self.w * self.bs // 2))
+        blocks = list(range(self.next_block, self.next_block + pos // self.bs + 1))
+        self.next_block += len(blocks)
+        return [self.next_id, pos, blocks]
+
+    def next_step(self):
+        rng, rows = self.rng, self.rows
+        new = set()
+        for r in rows:
+            r[1] += 1
+        for i in range(len(rows)):
+            if rows[i][1] + 1 >= self.w * self.bs or rng.random() < 0.05:
+                rows[i] = self._new()
+                new.add(i)
+        u = rng.random()
+        if u < 0.3 and len(rows) >= 2:  # swaps
+            for _ in range(int(rng.integers(1, 8))):
+                i, j = rng.choice(len(rows), 2, replace=False)
+                rows[i], rows[j] = rows[j], rows[i]
+                new = {j if k == i else i if k == j else k for k in new}
+        elif u < 0.4 or len(rows) < self.n_lo:  # growth
+            for _ in range(int(rng.integers(1, 16)) if rows else self.n_lo):
+                if len(rows) < self.n_hi:
+                    new.add(len(rows))
+                    rows.append(self._new())
+        elif u < 0.5:  # shrink: drop rows, the last ones move into the holes
+            for _ in range(int(rng.integers(1, 16))):
+                if len(rows) > self.n_lo:
+                    i = int(rng.integers(0, len(rows)))
+                    last = len(rows) - 1
+                    rows[i] = rows[last]
+                    new = {i if k == last else k for k in new if k != i}
+                    rows.pop()
+        appends = []
+        for i, r in enumerate(rows):
+            if i not in new and r[1] // self.bs >= len(r[2]):
+                r[2].append(self.next_block)
+                appends.append((i, self.next_block))
+                self.next_block += 1
+        payload = {i: (int(rng.integers(0, VOCAB)), rows[i][1], rows[i][2]) for i in new}
+        return DecodeStep.build([r[0] for r in rows], payload, appends)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="a stalled stream needs a GPU")
+@pytest.mark.parametrize("ring_slots", [2, 4])
+def test_stalled_ring_matches_host_built(ring_slots):
+    """The zero-copy ring under a stalled stream, N >= 256 with moves: a spin kernel queued
+    before each prep graph replay keeps the GPU behind, so the host stages up to K steps
+    ahead and rewrites each slot right after its fence. After every step every metadata
+    buffer of the padded step is compared on the device with the host-built backend (its
+    buffers on the CPU, uploaded after the replay); the mismatches are summed there and read
+    once at the end."""
+    from zos.serving.profiling import gpu_busy
+
+    steps, bs, w, r = 2000, 16, 64, 320
+    wl = _MovingWorkload(16, 256, r, bs, w)
+    kw = dict(num_kv_blocks=1 << 24, vocab_size=VOCAB, buckets=BucketTable([256, 288, 320]))
+    dev = DeviceMetadataBackend(DecodeBuffers(r, w, bs, device="cuda"), capture_prep=True,
+                                ring_slots=ring_slots, **kw)
+    host = HostMetadataBackend(DecodeBuffers(r, w, bs, device="cpu"), **kw)
+    mismatches = torch.zeros(len(FIELDS), dtype=torch.int64, device="cuda")
+    elapsed = torch.zeros(1, dtype=torch.int64, device="cuda")
+    rng = np.random.default_rng(0)
+    sizes = []
+    for _ in range(steps):
+        step = wl.next_step()
+        gpu_busy(2000, elapsed)  # the replay below waits behind 2 ms of GPU work
+        plan = dev.stage(step)
+        dev.build(plan.padded_size)
+        want = host.prepare(step)
+        sizes.append(plan.num_reqs)
+        md = dev.metadata(plan)
+        for i, f in enumerate(FIELDS):
+            ref = getattr(want, f).pin_memory().to("cuda", non_blocking=True)
+            mismatches[i] += (getattr(md, f) != ref).sum()
+        toks = torch.from_numpy(rng.integers(0, VOCAB, plan.num_reqs).astype(np.int32))
+        host.buffers.sampled[: plan.num_reqs] = toks
+        dev.buffers.sampled[: plan.num_reqs].copy_(toks.pin_memory(), non_blocking=True)
+    torch.cuda.synchronize()
+    assert dict(zip(FIELDS, mismatches.tolist())) == dict.fromkeys(FIELDS, 0)
+    assert min(sizes) >= 256
+    assert dev.ring.waits > 0, "the host never caught up with the ring: the GPU did not lag"
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the warps of one program race only on a GPU")
+@pytest.mark.parametrize("staging,capture", [("mapped", False), ("mapped", True),
+                                             ("copy", False), ("copy", True)])
+def test_long_rows_at_1024_match_host_built(staging, capture):
+    """Rows of hundreds of blocks at N ~ 1,000 (the shape that found the intra-program race of
+    issue 16 on the H200: one warp reset a row-map entry before another warp of the same program
+    had read it, leaving 32-column runs of a block-table row unwritten). Every field of every
+    step is compared with the host-built backend, with moves, arrivals and appended blocks."""
+    steps, bs, w, r = 30, 16, 2048, 1024
+    wl = _MovingWorkload(7, 896, r, bs, w)
+    kw = dict(num_kv_blocks=1 << 24, vocab_size=VOCAB, buckets=BucketTable([896, 960, 1024]))
+    dev = DeviceMetadataBackend(DecodeBuffers(r, w, bs, device="cuda"), capture_prep=capture,
+                                staging=staging, **kw)
+    host = HostMetadataBackend(DecodeBuffers(r, w, bs, device="cpu"), **kw)
+    rng = np.random.default_rng(1)
+    for i in range(steps):
+        step = wl.next_step()
+        want, got = host.prepare(step), dev.prepare(step)
+        torch.cuda.synchronize()
+        for f in FIELDS:
+            bad = (getattr(want, f) != getattr(got, f).cpu()).sum().item()
+            assert bad == 0, f"step {i}: {bad} entries of {f} differ"
+        toks = torch.from_numpy(rng.integers(0, VOCAB, step.num_reqs).astype(np.int32))
+        for b in (host, dev):
+            b.buffers.sampled[: step.num_reqs].copy_(toks)

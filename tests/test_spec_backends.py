@@ -28,11 +28,13 @@ def make(kind, q, *, max_num_reqs=12, block_size=2, width=40, num_kv_blocks=4000
 class Truth:
     """Requests with their exact position, blocks and next input token; a scheduler that keeps
     rows (holes filled by arrivals, some steps permuted) and allocates blocks for the position
-    bound the host has: exact (lag 0) or one step of q ahead (lag 1)."""
+    bound the host has: exact (lag 0) or one step of q ahead (lag 1). With ``rewrite``, that
+    share of carried rows gets a rewritten block list each step (DecodeStep.rewrite_rows): blocks
+    replaced by fresh ones or permuted, surplus blocks dropped or blocks added ahead."""
 
-    def __init__(self, seed, q, block_size, lag):
+    def __init__(self, seed, q, block_size, lag, rewrite=0.0):
         self.rng = np.random.default_rng(seed)
-        self.q, self.bs, self.lag = q, block_size, lag
+        self.q, self.bs, self.lag, self.rewrite = q, block_size, lag, rewrite
         self.rows, self.next_id, self.next_block = [], 1, 1
         self.bound_slack = {}  # req_id -> q - accepted of the last step (unknown yet at lag 1)
 
@@ -53,10 +55,13 @@ class Truth:
             self.next_id += 1
             at = int(rng.integers(0, len(keep) + 1))
             keep.insert(at, r)
-        appends = []
+        appends, rewrites = [], {}
         for i, r in enumerate(keep):
             if r in self.rows:  # carried: the host's bound of the position
                 bound = r["pos"] + self.bound_slack.get(r["id"], 0)
+                if self.rewrite and rng.random() < self.rewrite:
+                    rewrites[i] = r["blocks"] = self._rewritten(r["blocks"], bound)
+                    continue
                 while len(r["blocks"]) * bs < bound + q:
                     b = self._blocks(1)[0]
                     r["blocks"].append(b)
@@ -64,7 +69,17 @@ class Truth:
         fresh = {i: (r["token"], r["pos"], list(r["blocks"])) for i, r in enumerate(keep)
                  if r not in self.rows}
         self.rows = keep
-        return DecodeStep.build([r["id"] for r in keep], fresh, appends)
+        return DecodeStep.build([r["id"] for r in keep], fresh, appends, rewrites)
+
+    def _rewritten(self, blocks, bound):
+        """A new list for a row whose position may reach ``bound``: as many blocks as that
+        needs, up to two more, each old one kept, replaced by a fresh one, or all permuted."""
+        rng, need = self.rng, -(-(bound + self.q) // self.bs)
+        blocks = [b if rng.random() < 0.5 else self._blocks(1)[0] for b in blocks]
+        if rng.random() < 0.3:
+            blocks = [blocks[i] for i in rng.permutation(len(blocks))]
+        size = need + int(rng.integers(0, 3))
+        return (blocks + self._blocks(max(0, size - len(blocks))))[:size]
 
     def run(self, accepted, sampled):
         """The step ran: row i kept accepted[i] tokens, its next input is sampled[i]."""
@@ -96,13 +111,15 @@ class Truth:
 
 @pytest.mark.parametrize("lag", [0, 1])
 @pytest.mark.parametrize("kind", list(BACKENDS))
-@pytest.mark.parametrize("q,seed", [(2, 0), (3, 1), (5, 2)])
-def test_trace_with_accepted_counts_matches_truth(kind, q, seed, lag):
+@pytest.mark.parametrize("q,seed,rewrite", [(2, 0, 0.0), (3, 1, 0.0), (5, 2, 0.0), (2, 3, 0.3),
+                                            (3, 4, 0.3)])
+def test_trace_with_accepted_counts_matches_truth(kind, q, seed, lag, rewrite):
     b = make(kind, q)
-    truth = Truth(seed, q, b.buffers.block_size, lag)
-    prev_acc, buf = None, b.buffers
+    truth = Truth(seed, q, b.buffers.block_size, lag, rewrite)
+    prev_acc, buf, rewritten = None, b.buffers, 0
     for _ in range(14):
         step = truth.step(max_rows=11)
+        rewritten += len(step.rewrite_rows)
         md = b.prepare(step)
         want = truth.expected(md.padded_size // q, buf.max_num_blocks_per_req)
         for f, v in want.items():
@@ -121,6 +138,7 @@ def test_trace_with_accepted_counts_matches_truth(kind, q, seed, lag):
         elif prev_acc is not None:
             b.observe_accepted(prev_acc, 1)
         prev_acc = acc
+    assert rewritten >= 10 if rewrite else rewritten == 0, rewritten
 
 
 def test_positions_cross_two_blocks_in_one_step():

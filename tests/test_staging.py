@@ -20,15 +20,19 @@ from zos.step import DecodeStep
 from helpers import DEVICE, TraceGen, expected
 
 # The layout of csrc/staging.h, word by word: every name zos._C.staging exports.
-LAYOUT = dict(HEADER_WORDS=8, RECORD_WORDS=5,
+LAYOUT = dict(HEADER_WORDS=8, LIST_WORDS=3, RECORD_WORDS=5,
               NUM_REQS=0, NUM_TOKENS=1, PREV_REQS=2, NUM_RECORDS=3, NUM_BLOCK_IDS=4, Q=5,
+              NUM_LISTED=6, SEQ=7, SEQ_MASK=(1 << 30) - 1, L_ROW=0, L_SRC=1, L_REC=2,
               R_TOKEN=0, R_POS0=1, R_COL0=2, R_COUNT=3, R_BLK_OFF=4)
-HEADER_FIELDS = ("NUM_REQS", "NUM_TOKENS", "PREV_REQS", "NUM_RECORDS", "NUM_BLOCK_IDS", "Q")
+HEADER_FIELDS = ("NUM_REQS", "NUM_TOKENS", "PREV_REQS", "NUM_RECORDS", "NUM_BLOCK_IDS", "Q",
+                 "NUM_LISTED", "SEQ")
+LIST_FIELDS = ("L_ROW", "L_SRC", "L_REC")
 RECORD_FIELDS = ("R_TOKEN", "R_POS0", "R_COL0", "R_COUNT", "R_BLK_OFF")
 
 
 def test_constants_match_native():
     assert staging.HEADER_WORDS == _C.staging.HEADER_WORDS == 8
+    assert staging.LIST_WORDS == _C.staging.LIST_WORDS == 3
     assert staging.RECORD_WORDS == _C.staging.RECORD_WORDS == 5
 
 
@@ -44,29 +48,34 @@ def test_native_exports_exactly_the_layout():
     """No constant of the header is left out of the pins above, and the fields fit."""
     assert {k for k in dir(_C.staging) if k.isupper()} == set(LAYOUT)
     assert sorted(LAYOUT[f] for f in HEADER_FIELDS) == list(range(len(HEADER_FIELDS)))
-    assert max(LAYOUT[f] for f in HEADER_FIELDS) < LAYOUT["HEADER_WORDS"]
+    assert sorted(LAYOUT[f] for f in HEADER_FIELDS) == list(range(LAYOUT["HEADER_WORDS"]))
+    assert sorted(LAYOUT[f] for f in LIST_FIELDS) == list(range(LAYOUT["LIST_WORDS"]))
     assert sorted(LAYOUT[f] for f in RECORD_FIELDS) == list(range(LAYOUT["RECORD_WORDS"]))
 
 
-@pytest.mark.parametrize("n,m,nblk", [(0, 0, 0), (1, 1, 1), (3, 2, 7), (1024, 51, 20000)])
-def test_sizes(n, m, nblk):
-    want = LAYOUT["HEADER_WORDS"] + 2 * n + LAYOUT["RECORD_WORDS"] * m + nblk
-    assert staging.total_words(n, m, nblk) == _C.staging.total_words(n, m, nblk) == want
+@pytest.mark.parametrize("c,m,nblk", [(0, 0, 0), (1, 1, 1), (3, 2, 7), (1024, 51, 20000)])
+def test_sizes(c, m, nblk):
+    want = LAYOUT["HEADER_WORDS"] + 3 * c + LAYOUT["RECORD_WORDS"] * m + nblk
+    assert staging.total_words(c, m, nblk) == _C.staging.total_words(c, m, nblk) == want
 
 
 @pytest.mark.parametrize("r,w", [(1, 1), (8, 4), (1024, 2048)])
 def test_capacity(r, w):
-    want = LAYOUT["HEADER_WORDS"] + (2 + LAYOUT["RECORD_WORDS"]) * r + r * w
+    want = LAYOUT["HEADER_WORDS"] + (3 + LAYOUT["RECORD_WORDS"]) * r + r * w
     assert staging.capacity_words(r, w) == _C.staging.capacity_words(r, w) == want
     assert DecodeBuffers(r, w, 16).staging.numel() == want
 
 
 def test_kernels_get_every_offset():
     """The launcher passes each offset the prep kernels read from zos.staging."""
-    snap = dict(NUM_REQS_WORD=staging.NUM_REQS, HEADER_WORDS=staging.HEADER_WORDS)
-    assert kernels._SNAPSHOT_LAYOUT == snap
+    common = dict(SEQ_MASK=staging.SEQ_MASK, HEADER_WORDS=staging.HEADER_WORDS,
+                  LIST_WORDS=staging.LIST_WORDS, **kernels.RING_STATE)
+    assert kernels._SCATTER_LAYOUT == dict(
+        common, NUM_REQS_WORD=staging.NUM_REQS, NUM_RECORDS_WORD=staging.NUM_RECORDS,
+        NUM_LISTED_WORD=staging.NUM_LISTED, SEQ_WORD=staging.SEQ,
+        **{f: getattr(staging, f) for f in LIST_FIELDS})
     assert kernels._REBUILD_LAYOUT == dict(
-        snap, NUM_RECORDS_WORD=staging.NUM_RECORDS, RECORD_WORDS=staging.RECORD_WORDS,
+        common, RECORD_WORDS=staging.RECORD_WORDS, IN_PLACE=kernels.IN_PLACE,
         **{f: getattr(staging, f) for f in RECORD_FIELDS})
 
 
@@ -79,7 +88,9 @@ def pack(packer, step, capacity=256):
     out = np.full(capacity, -7, np.int32)
     words = packer.pack(step.req_ids, step.new_rows, step.new_tokens, step.new_positions,
                         step.new_block_indptr, step.new_block_ids, step.append_rows,
-                        step.append_block_ids, out)
+                        step.append_block_ids, out, rewrite_rows=step.rewrite_rows,
+                        rewrite_block_indptr=step.rewrite_block_indptr,
+                        rewrite_block_ids=step.rewrite_block_ids)
     assert (out[words:] == -7).all()
     return staging.parse(out[:words]), out[:words]
 
@@ -88,43 +99,154 @@ def test_record_layout():
     p = small_packer()
     view, rec = pack(p, DecodeStep.build([7, 8, 9], {0: (11, 3, [5]), 1: (12, 4, [6, 9]),
                                                      2: (13, 0, [2])}))
-    assert rec[:8].tolist() == [3, 3, 0, 3, 4, 1, 0, 0]
+    assert rec[:8].tolist() == [3, 3, 0, 3, 4, 1, 3, 0]
+    assert view.listed.tolist() == [[0, -1, 0], [1, -1, 1], [2, -1, 2]]
     assert view.row_src.tolist() == [-1, -1, -1] and view.row_rec.tolist() == [0, 1, 2]
     assert view.records.tolist() == [[11, 3, 0, 1, 0], [12, 4, 0, 2, 1], [13, 0, 0, 1, 3]]
     assert view.blocks.tolist() == [5, 6, 9, 2]
     # Rotate, request 7 crosses into its second block (append), request 10 arrives.
     view, rec = pack(p, DecodeStep.build([9, 7, 8, 10], {3: (14, 0, [3])}, appends=[(1, 21)]))
-    assert rec[:8].tolist() == [4, 4, 3, 2, 2, 1, 0, 0]
+    assert rec[:8].tolist() == [4, 4, 3, 2, 2, 1, 4, 0]
+    assert view.listed.tolist() == [[0, 2, -1], [1, 0, 1], [2, 1, -1], [3, -1, 0]]
     assert view.row_src.tolist() == [2, 0, 1, -1] and view.row_rec.tolist() == [-1, 1, -1, 0]
     assert view.records.tolist() == [[14, 0, 0, 1, 0], [-1, -1, 1, 1, 1]]
     assert view.blocks.tolist() == [3, 21]
-    assert len(rec) == staging.HEADER_WORDS + 2 * 4 + 5 * 2 + 2
+    assert len(rec) == staging.HEADER_WORDS + 3 * 4 + 5 * 2 + 2
+    # Nothing changes: the record is the header alone, every row carried in place.
+    view, rec = pack(p, DecodeStep.build([9, 7, 8, 10]))
+    assert rec.tolist() == [4, 4, 4, 0, 0, 1, 0, 0]
+    assert view.row_src.tolist() == [0, 1, 2, 3] and view.row_rec.tolist() == [-1] * 4
+    # Request 8 leaves, 10 takes its row: one listed row; an append in place lists its row.
+    view, rec = pack(p, DecodeStep.build([9, 7, 10], appends=[(0, 22)]))
+    assert view.listed.tolist() == [[0, 0, 0], [2, 3, -1]]
+    assert view.records.tolist() == [[-1, -1, 1, 1, 0]] and view.blocks.tolist() == [22]
+
+
+def test_dense_record_lists_every_row():
+    """list_every_row: the same rows, records and blocks, every row listed."""
+    sparse, dense = small_packer(), small_packer()
+    dense.list_every_row = True
+    steps = [DecodeStep.build([7, 8, 9], {0: (11, 3, [5]), 1: (12, 4, [6, 9]), 2: (13, 0, [2])}),
+             DecodeStep.build([7, 9, 8], appends=[(0, 21)]), DecodeStep.build([7, 9, 8])]
+    for step in steps:
+        vs, _ = pack(sparse, step)
+        vd, rec = pack(dense, step)
+        assert vd.listed[:, 0].tolist() == list(range(step.num_reqs))
+        assert len(rec) == staging.total_words(step.num_reqs, len(vd.records), len(vd.blocks))
+        for f in ("row_src", "row_rec", "records", "blocks"):
+            assert getattr(vs, f).tolist() == getattr(vd, f).tolist(), f
+
+
+def test_record_layout_with_rewritten_rows():
+    """A rewritten row (in place or moved) is listed with a record of its whole list (col0 =
+    0, token = pos0 = -1) after the appended rows' records, its blocks after theirs; sparse
+    and dense records agree."""
+    sparse, dense = small_packer(), small_packer()
+    dense.list_every_row = True
+
+    def both(step):
+        (vs, rec), (vd, _) = pack(sparse, step), pack(dense, step)
+        for f in ("row_src", "row_rec", "records", "blocks"):
+            assert getattr(vs, f).tolist() == getattr(vd, f).tolist(), f
+        return vs, rec
+
+    both(DecodeStep.build([7, 8, 9], {0: (11, 3, [5]), 1: (12, 4, [6, 9]), 2: (13, 0, [2])}))
+    # Request 7 crosses into a block (append); request 8's blocks swapped in place.
+    view, rec = both(DecodeStep.build([7, 8, 9], appends=[(0, 21)], rewrites={1: [10, 11]}))
+    assert rec[:7].tolist() == [3, 3, 3, 2, 3, 1, 2]
+    assert view.listed.tolist() == [[0, 0, 0], [1, 1, 1]]
+    assert view.records.tolist() == [[-1, -1, 1, 1, 0], [-1, -1, 0, 2, 1]]
+    assert view.blocks.tolist() == [21, 10, 11]
+    # Requests 7 and 8 swap rows; 8 (moved) gets a copy-on-write block, 9 (in place) grows
+    # ahead to three blocks; 7 moves with nothing else.
+    view, rec = both(DecodeStep.build([8, 7, 9], rewrites={2: [3, 4, 15], 0: [12, 11]}))
+    assert rec[:7].tolist() == [3, 3, 3, 2, 5, 1, 3]
+    assert view.listed.tolist() == [[0, 1, 0], [1, 0, -1], [2, 2, 1]]
+    assert view.records.tolist() == [[-1, -1, 0, 2, 0], [-1, -1, 0, 3, 2]]
+    assert view.blocks.tolist() == [12, 11, 3, 4, 15]
+    assert len(rec) == staging.total_words(3, 2, 5)
+
+
+def test_rewritten_rows_move_their_deadlines():
+    """The mirror takes a rewritten row's block count: a list that grew needs no append until
+    its new last block is full, one that shrank needs one as soon as it runs out (refused,
+    naming the row, when it is missing, with nothing committed)."""
+    for dense in (False, True):
+        p = small_packer()
+        p.list_every_row = dense
+        pack(p, DecodeStep.build([7, 8], {0: (11, 3, [5]), 1: (12, 2, [6])}))
+        # Request 8 (position 3) grows ahead to [6, 9, 10]: no append at positions 4..11.
+        pack(p, DecodeStep.build([7, 8], appends=[(0, 21)], rewrites={1: [6, 9, 10]}))
+        for _ in range(3):  # request 8 at positions 4..6: nothing listed
+            view, _ = pack(p, DecodeStep.build([7, 8]))
+            assert len(view.listed) == (2 if dense else 0) and p.rows_visited == 0
+        pack(p, DecodeStep.build([7, 8], appends=[(0, 22)]))  # 7 at 8, 8 at 7: no append
+        # Request 8 (position 8) shrinks to [6, 9, 30] -> still 3 blocks; then to 2 blocks at
+        # a position they cover is refused.
+        with pytest.raises(ValueError, match=r"rewrite_block_ids: row 1 \(request 8\) at "
+                                             r"position 8 needs 3 blocks, got 2"):
+            pack(p, DecodeStep.build([7, 8], rewrites={1: [6, 9]}))
+        view, _ = pack(p, DecodeStep.build([7, 8], rewrites={1: [6, 9, 30]}))
+        assert view.records.tolist() == [[-1, -1, 0, 3, 0]]
+        for _ in range(2):  # request 8 at positions 9, 10, 11: its third block
+            pack(p, DecodeStep.build([7, 8]))
+        pack(p, DecodeStep.build([7, 8], appends=[(0, 23)]))  # request 7 at 12
+        with pytest.raises(ValueError, match=r"row 1 \(request 8\) at position 12 needs block "
+                                             r"column 3 but holds 3 blocks; append a block"):
+            pack(p, DecodeStep.build([7, 8]))
+        view, _ = pack(p, DecodeStep.build([7, 8], appends=[(1, 31)]))
+        assert view.records.tolist() == [[-1, -1, 3, 1, 0]]
+
+
+def test_rewrite_shrinks_deadline():
+    """A rewritten list shorter than the old one: the row's deadline comes earlier, and a step
+    past it without an append is refused though the old list would have covered it."""
+    for dense in (False, True):
+        p = small_packer()
+        p.list_every_row = dense
+        pack(p, DecodeStep.build([7], {0: (11, 1, [5, 6, 9])}))  # blocks ahead: up to 11
+        pack(p, DecodeStep.build([7], rewrites={0: [5]}))  # position 2: one block, up to 3
+        pack(p, DecodeStep.build([7]))  # position 3
+        with pytest.raises(ValueError, match=r"row 0 \(request 7\) at position 4 needs block "
+                                             r"column 1 but holds 1 blocks; append a block"):
+            pack(p, DecodeStep.build([7]))
+        view, _ = pack(p, DecodeStep.build([7], appends=[(0, 40)]))
+        assert view.records.tolist() == [[-1, -1, 1, 1, 0]] and view.blocks.tolist() == [40]
 
 
 def test_record_words_by_name():
-    """Every header word and record field of a packed record, read through the constants."""
+    """Every header word, listed-row and record field of a packed record, read through the
+    constants."""
     p = small_packer()
     pack(p, DecodeStep.build([7, 8], {0: (11, 3, [5]), 1: (12, 4, [6, 9])}))
     # Swap, request 7 crosses into its second block, request 20 arrives with two blocks.
-    view, rec = pack(p, DecodeStep.build([8, 7, 20], {2: (13, 6, [2, 4])}, appends=[(1, 30)]))
-    h = LAYOUT["HEADER_WORDS"]
-    assert [int(rec[LAYOUT[f]]) for f in HEADER_FIELDS] == [3, 3, 2, 2, 3, 1]
-    assert rec[max(LAYOUT[f] for f in HEADER_FIELDS) + 1 : h].tolist() == [0, 0]  # reserved
+    step = DecodeStep.build([8, 7, 20], {2: (13, 6, [2, 4])}, appends=[(1, 30)])
+    out = np.zeros(64, np.int32)
+    words = p.pack(step.req_ids, step.new_rows, step.new_tokens, step.new_positions,
+                   step.new_block_indptr, step.new_block_ids, step.append_rows,
+                   step.append_block_ids, out, seq=77)
+    rec, view = out[:words], staging.parse(out[:words])
+    h, lw = LAYOUT["HEADER_WORDS"], LAYOUT["LIST_WORDS"]
+    assert [int(rec[LAYOUT[f]]) for f in HEADER_FIELDS] == [3, 3, 2, 2, 3, 1, 3, 77]
     assert view.num_reqs == rec[staging.NUM_REQS] and view.prev_reqs == rec[staging.PREV_REQS]
-    assert view.row_src.tolist() == rec[h : h + 3].tolist() == [1, 0, -1]
-    assert view.row_rec.tolist() == rec[h + 3 : h + 6].tolist() == [-1, 1, 0]
+    assert view.seq == 77
+    listed = rec[h : h + 3 * lw].reshape(3, lw)
+    assert [[int(e[LAYOUT[f]]) for f in LIST_FIELDS] for e in listed] == [
+        [0, 1, -1], [1, 0, 1], [2, -1, 0]]
+    assert view.row_src.tolist() == [1, 0, -1] and view.row_rec.tolist() == [-1, 1, 0]
     assert view.records.shape == (rec[staging.NUM_RECORDS], LAYOUT["RECORD_WORDS"])
     assert [int(view.records[0, LAYOUT[f]]) for f in RECORD_FIELDS] == [13, 6, 0, 2, 0]
     assert [int(view.records[1, LAYOUT[f]]) for f in RECORD_FIELDS] == [-1, -1, 1, 1, 2]
     assert view.blocks.tolist() == [2, 4, 30]
-    assert len(rec) == staging.total_words(3, 2, 3) == h + 2 * 3 + LAYOUT["RECORD_WORDS"] * 2 + 3
+    assert len(rec) == staging.total_words(3, 2, 3) == h + 3 * lw + LAYOUT["RECORD_WORDS"] * 2 + 3
 
 
-# Another layout: header fields shuffled into a longer header, record fields shuffled into
-# longer records, every unused word holding GARBAGE. The prep kernels and the numba builder
-# given it as their offsets must produce the same metadata: they hard-code none.
-SHUFFLED = dict(HEADER_WORDS=11, RECORD_WORDS=7,
+# Another layout: header fields shuffled into a longer header, listed-row and record fields
+# shuffled into longer entries, every unused word holding GARBAGE. The prep kernels and the
+# numba builder given it as their offsets must produce the same metadata: they hard-code none.
+SHUFFLED = dict(HEADER_WORDS=11, LIST_WORDS=4, RECORD_WORDS=7,
                 NUM_REQS=9, NUM_TOKENS=3, PREV_REQS=0, NUM_RECORDS=6, NUM_BLOCK_IDS=2, Q=10,
+                NUM_LISTED=4, SEQ=8, L_ROW=2, L_SRC=0, L_REC=3,
                 R_TOKEN=5, R_POS0=3, R_COL0=0, R_COUNT=6, R_BLK_OFF=1)
 GARBAGE = 1 << 20
 
@@ -132,36 +254,43 @@ GARBAGE = 1 << 20
 def relayout(record, to):
     """``record`` (in the native layout) rewritten in layout ``to``."""
     view = staging.parse(record)
-    n, m, nblk = view.num_reqs, len(view.records), len(view.blocks)
-    h, rw = to["HEADER_WORDS"], to["RECORD_WORDS"]
-    out = np.full(h + 2 * n + rw * m + nblk, GARBAGE, np.int32)
+    c, m, nblk = len(view.listed), len(view.records), len(view.blocks)
+    h, lw, rw = to["HEADER_WORDS"], to["LIST_WORDS"], to["RECORD_WORDS"]
+    out = np.full(h + lw * c + rw * m + nblk, GARBAGE, np.int32)
     for f in HEADER_FIELDS:
         out[to[f]] = record[getattr(staging, f)]
-    out[h : h + n], out[h + n : h + 2 * n] = view.row_src, view.row_rec
-    recs = out[h + 2 * n : h + 2 * n + rw * m].reshape(m, rw)
+    listed = out[h : h + lw * c].reshape(c, lw)
+    for f in LIST_FIELDS:
+        listed[:, to[f]] = view.listed[:, getattr(staging, f)]
+    recs = out[h + lw * c : h + lw * c + rw * m].reshape(m, rw)
     for f in RECORD_FIELDS:
         recs[:, to[f]] = view.records[:, getattr(staging, f)]
-    out[h + 2 * n + rw * m :] = view.blocks
+    out[h + lw * c + rw * m :] = view.blocks
     return out
 
 
 def test_kernels_and_host_builder_follow_the_layout(monkeypatch):
     bs, w, num_kv_blocks, vocab, r = 4, 6, 400, 1000, 16
-    monkeypatch.setattr(kernels, "_SNAPSHOT_LAYOUT", dict(
-        NUM_REQS_WORD=SHUFFLED["NUM_REQS"], HEADER_WORDS=SHUFFLED["HEADER_WORDS"]))
+    common = dict(SEQ_MASK=staging.SEQ_MASK, HEADER_WORDS=SHUFFLED["HEADER_WORDS"],
+                  LIST_WORDS=SHUFFLED["LIST_WORDS"], **kernels.RING_STATE)
+    monkeypatch.setattr(kernels, "_SCATTER_LAYOUT", dict(
+        common, NUM_REQS_WORD=SHUFFLED["NUM_REQS"], NUM_RECORDS_WORD=SHUFFLED["NUM_RECORDS"],
+        NUM_LISTED_WORD=SHUFFLED["NUM_LISTED"], SEQ_WORD=SHUFFLED["SEQ"],
+        **{f: SHUFFLED[f] for f in LIST_FIELDS}))
     monkeypatch.setattr(kernels, "_REBUILD_LAYOUT", dict(
-        kernels._SNAPSHOT_LAYOUT, NUM_RECORDS_WORD=SHUFFLED["NUM_RECORDS"],
-        RECORD_WORDS=SHUFFLED["RECORD_WORDS"], **{f: SHUFFLED[f] for f in RECORD_FIELDS}))
+        common, RECORD_WORDS=SHUFFLED["RECORD_WORDS"], IN_PLACE=kernels.IN_PLACE,
+        **{f: SHUFFLED[f] for f in RECORD_FIELDS}))
     build_rows = host_backend._make_build_rows(
         *(SHUFFLED[k] for k in ("HEADER_WORDS", "RECORD_WORDS", "NUM_REQS", "NUM_RECORDS",
-                                *RECORD_FIELDS)))
+                                *RECORD_FIELDS, "NUM_LISTED", "LIST_WORDS", *LIST_FIELDS)))
     monkeypatch.setattr(host_backend, "_build_rows",
                         lambda rec, *args: build_rows(relayout(rec, SHUFFLED), *args))
     kw = dict(num_kv_blocks=num_kv_blocks, vocab_size=vocab, buckets=BucketTable([4, 8, 16]))
     bufs = DecodeBuffers(r, w, bs, device=DEVICE)
-    bufs.staging = torch.zeros(SHUFFLED["HEADER_WORDS"] + (2 + SHUFFLED["RECORD_WORDS"]) * r
+    bufs.staging = torch.zeros(SHUFFLED["HEADER_WORDS"] + (SHUFFLED["LIST_WORDS"]
+                                                           + SHUFFLED["RECORD_WORDS"]) * r
                                + r * w, dtype=torch.int32, device=DEVICE)
-    dev = DeviceMetadataBackend(bufs, **kw)
+    dev = DeviceMetadataBackend(bufs, staging="copy", **kw)  # the record in bufs.staging
     host = HostMetadataBackend(DecodeBuffers(r, w, bs, device=DEVICE), **kw)
     gen = TraceGen(3, max_num_reqs=r, block_size=bs, max_blocks=w, num_kv_blocks=num_kv_blocks,
                    vocab=vocab)
@@ -222,15 +351,18 @@ def test_upload_stream_cuda():
             bufs.sampled[: len(rows)] = torch.from_numpy(gen.sampled(rows)).to("cuda")
 
 
-def test_carried_rows_cost_two_words():
-    """Upload size is independent of context length for carried rows."""
+def test_carried_rows_cost_no_word():
+    """Record size is independent of context length; rows that move cost one entry, rows
+    that keep their place nothing."""
     p = StepPacker(max_num_reqs=64, uniform_decode_query_len=1, block_size=16,
                    max_num_blocks_per_req=2048, num_kv_blocks=10**6, vocab_size=100)
     ids = list(range(64))
     pack(p, DecodeStep.build(ids, {i: (1, 30000, list(range(1 + 2000 * i, 1 + 2000 * i + 1876)))
                                    for i in ids}), capacity=10**6)
     _, rec = pack(p, DecodeStep.build(ids[::-1]), capacity=10**6)
-    assert len(rec) == staging.HEADER_WORDS + 2 * 64
+    assert len(rec) == staging.HEADER_WORDS + 3 * 64
+    _, rec = pack(p, DecodeStep.build(ids[::-1]), capacity=10**6)
+    assert len(rec) == staging.HEADER_WORDS
 
 
 def test_packer_remap_agrees_with_compute_remap():
@@ -271,7 +403,7 @@ def test_packer_duplicates():
 def test_record_larger_than_out():
     p = small_packer()
     step = DecodeStep.build([1, 2], {0: (1, 0, [1]), 1: (1, 0, [2])})
-    with pytest.raises(ValueError, match="the staging record needs 24 words, capacity is 23"):
-        pack(p, step, capacity=23)
-    view, _ = pack(p, step, capacity=24)  # nothing was committed by the failed call
+    with pytest.raises(ValueError, match="the staging record needs 26 words, capacity is 25"):
+        pack(p, step, capacity=25)
+    view, _ = pack(p, step, capacity=26)  # nothing was committed by the failed call
     assert view.prev_reqs == 0 and view.row_src.tolist() == [-1, -1]

@@ -1,104 +1,165 @@
 """Decode-step metadata prep kernels (pure ``@triton.jit``; launchers in zos/kernels.py).
 
-Both kernels run one program per request row r of the padded step and read the
-real row count N from the staged record on the device (never from a launch
-argument), so one capture per bucket serves every N <= bucket. The record
-layout is csrc/staging.h: a header of HEADER_WORDS words (N at word
-NUM_REQS_WORD, the record count M at word NUM_RECORDS_WORD), then row_src [N],
-row_rec [N], M records of RECORD_WORDS words (fields at offsets R_TOKEN, R_POS0,
-R_COL0, R_COUNT, R_BLK_OFF) and block ids. No offset is written here: the
-launcher (zos/kernels.py) passes every one as a constexpr from zos.staging, which
-takes them from zos._C.staging, and tests/test_staging.py pins them.
+Both kernels run one program per request row of the padded step and read the real row
+count N from the staged record (never from a launch argument), so one capture per bucket
+serves every N <= bucket. The record (layout: csrc/staging.h) lies in a ring of
+``num_slots`` records of ``slot_words`` words at ``ring_ptr``: pinned host memory mapped
+into the device's address space (zero-copy), or the device buffer the copy path uploads
+into (one slot). Which slot a build reads is decided on the device from the ring state
+(int32 words at CTR, LAST, CUR and CUR_N, CUR_M, CUR_C, CUR_SEQ, offsets given as
+constexprs by the launcher):
+``select_slot`` takes slot CTR when its record's SEQ is the one after LAST (a record staged
+since the last build), else the slot of the last record applied (a build repeated without
+a new record, as warm-up does, applies that record again). ``rebuild_rows`` program 0
+advances CTR and LAST when the record was new. No offset is written here: the launcher
+passes every one as a constexpr from zos.staging (and zos.kernels for the ring state).
+
+Ordering (docs/ZOS.md, "Ordering inside the prep kernels"). Between programs: within one
+launch no program reads a word that another program of the same launch writes.
+``scatter_listed_rows`` (launch 1) reads the ring state, the record and the previous state of
+source rows; it writes only the row map, scratch (rows of listed entries, distinct) and,
+program 0, CUR and the copy of the record's header (CUR_N, CUR_M, CUR_C, CUR_SEQ).
+``rebuild_rows`` (launch 2, after launch 1 on the same stream) reads CUR and that header
+copy, the record's entries, the row map and scratch of its own row r, its own row's previous
+state and ``sampled``/``accepted``; it writes only row r (and resets row r's row-map entry),
+and program 0 the counts, ``query_start_loc[0]``, CTR and LAST, which no other program of
+launch 2 reads. Inside one program: its warps do not run in step, so a word one warp writes
+may be read late by another. ``rebuild_rows`` reads every word it will write (row r's
+row-map entry, position, block count and block-table columns, LAST) before one
+``tl.debug_barrier()`` and writes only after it; ``scatter_listed_rows`` writes no word it
+reads.
 
 Masks that combine a per-row flag with a per-column mask are written
 ``tl.where(flag, mask, False)``: Triton's CPU interpreter rejects the plain
 ``flag & mask`` broadcast. Token row t = 0 of a real request gets its input
 token here, rows 1..q-1 the pad token: with draft tokens (q > 1) the drafter of
 zos/spec.py writes them after prep, inside the same graph.
-
-Permutations are made safe by a gather to scratch: ``snapshot_moved_rows``
-copies the previous state of every row that moves (remap[r] = j != r) into
-scratch before ``rebuild_rows`` overwrites any row in place, so a row read by
-another row's program (swap, 3-cycle, condense) is read before it is written.
-Rows that keep their place (remap[r] == r) touch only what changed.
 """
 import triton
 import triton.language as tl
 
 
 @triton.jit
-def snapshot_moved_rows(staging_ptr, positions_ptr, num_blocks_per_row_ptr, block_table_ptr,
+def select_slot(ring_ptr, state_ptr, num_slots, slot_words,
+                SEQ_WORD: tl.constexpr, SEQ_MASK: tl.constexpr,
+                CTR: tl.constexpr, LAST: tl.constexpr):
+    """The ring slot this build applies: CTR if its record is the one after LAST, else the
+    slot applied last (int32 scalar)."""
+    ctr = tl.load(state_ptr + CTR)
+    last = tl.load(state_ptr + LAST)
+    seq = tl.load(ring_ptr + ctr.to(tl.int64) * slot_words + SEQ_WORD)
+    fresh = seq == ((last + 1) & SEQ_MASK)
+    return tl.where(fresh, ctr, (ctr + num_slots - 1) % num_slots)
+
+
+@triton.jit
+def scatter_listed_rows(ring_ptr, state_ptr, num_slots, slot_words, row_map_ptr,
+                        positions_ptr, num_blocks_per_row_ptr, block_table_ptr,
                         scratch_pos_ptr, scratch_nb_ptr, scratch_bt_ptr, bt_stride,
                         Q: tl.constexpr, BLOCK_W: tl.constexpr,
-                        NUM_REQS_WORD: tl.constexpr, HEADER_WORDS: tl.constexpr):
-    """Copy the previous state of every row that moves into scratch (one program per row).
+                        NUM_REQS_WORD: tl.constexpr, NUM_RECORDS_WORD: tl.constexpr,
+                        NUM_LISTED_WORD: tl.constexpr, SEQ_WORD: tl.constexpr,
+                        SEQ_MASK: tl.constexpr, HEADER_WORDS: tl.constexpr,
+                        LIST_WORDS: tl.constexpr, L_ROW: tl.constexpr, L_SRC: tl.constexpr,
+                        L_REC: tl.constexpr, CTR: tl.constexpr, LAST: tl.constexpr,
+                        CUR: tl.constexpr, CUR_N: tl.constexpr, CUR_M: tl.constexpr,
+                        CUR_C: tl.constexpr, CUR_SEQ: tl.constexpr):
+    """Launch 1: program k applies listed entry k of the record (k < C).
 
-    Reads staging (int32 record; N at word NUM_REQS_WORD, row_src at HEADER_WORDS),
-    positions int32 [R*Q], num_blocks_per_row int32 [R], block_table int32 [R, bt_stride];
-    writes scratch_pos int32 [R] (first position of row r's source), scratch_nb int32 [R] and
-    scratch_bt int32 [R, bt_stride] (its columns in use) for rows r < N with
-    remap[r] = j >= 0, j != r.
+    Reads the ring state (int32 [4]) and the record (int32; C at word NUM_LISTED_WORD,
+    entries (row, src, rec) from HEADER_WORDS), and for an entry whose row moves (src >= 0,
+    src != row) the previous position, block count and block-table columns of row src
+    (positions int32 [R*Q], num_blocks_per_row int32 [R], block_table int32 [R, bt_stride]).
+    Writes row_map int32 [R, 2] at the entry's row = (src, rec), the moved row's scratch
+    (scratch_pos int32 [R], scratch_nb int32 [R], scratch_bt int32 [R, bt_stride]), and
+    program 0 the ring state's CUR = the slot this build applies and CUR_N, CUR_M, CUR_C,
+    CUR_SEQ = that record's N, M, C and SEQ (device copies, so that launch 2 reads the
+    header from device memory).
     """
-    r = tl.program_id(0)
-    n = tl.load(staging_ptr + NUM_REQS_WORD)
-    if r < n:
-        j = tl.load(staging_ptr + HEADER_WORDS + r)
-        if (j >= 0) & (j != r):
-            j64 = j.to(tl.int64)
-            tl.store(scratch_pos_ptr + r, tl.load(positions_ptr + j64 * Q))
-            nb = tl.load(num_blocks_per_row_ptr + j)
-            tl.store(scratch_nb_ptr + r, nb)
+    k = tl.program_id(0)
+    slot = select_slot(ring_ptr, state_ptr, num_slots, slot_words, SEQ_WORD, SEQ_MASK,
+                       CTR, LAST)
+    rec = ring_ptr + slot.to(tl.int64) * slot_words
+    c = tl.load(rec + NUM_LISTED_WORD)
+    if k == 0:
+        tl.store(state_ptr + CUR, slot)
+        tl.store(state_ptr + CUR_N, tl.load(rec + NUM_REQS_WORD))
+        tl.store(state_ptr + CUR_M, tl.load(rec + NUM_RECORDS_WORD))
+        tl.store(state_ptr + CUR_C, c)
+        tl.store(state_ptr + CUR_SEQ, tl.load(rec + SEQ_WORD))
+    if k < c:
+        entry = rec + HEADER_WORDS + LIST_WORDS * k
+        row = tl.load(entry + L_ROW)
+        src = tl.load(entry + L_SRC)
+        tl.store(row_map_ptr + 2 * row, src)
+        tl.store(row_map_ptr + 2 * row + 1, tl.load(entry + L_REC))
+        if (src >= 0) & (src != row):
+            j64 = src.to(tl.int64)
+            tl.store(scratch_pos_ptr + row, tl.load(positions_ptr + j64 * Q))
+            nb = tl.load(num_blocks_per_row_ptr + src)
+            tl.store(scratch_nb_ptr + row, nb)
             for c0 in range(0, nb, BLOCK_W):
                 cols = c0 + tl.arange(0, BLOCK_W)
                 keep = cols < nb
                 v = tl.load(block_table_ptr + j64 * bt_stride + cols, mask=keep)
-                tl.store(scratch_bt_ptr + r.to(tl.int64) * bt_stride + cols, v, mask=keep)
+                tl.store(scratch_bt_ptr + row.to(tl.int64) * bt_stride + cols, v, mask=keep)
 
 
 @triton.jit
-def rebuild_rows(staging_ptr, sampled_ptr, accepted_ptr,
+def rebuild_rows(ring_ptr, state_ptr, num_slots, slot_words, row_map_ptr,
+                 sampled_ptr, accepted_ptr,
                  input_ids_ptr, positions_ptr, slot_mapping_ptr, seq_lens_ptr, qsl_ptr,
                  block_table_ptr, num_blocks_per_row_ptr, counts_ptr,
                  scratch_pos_ptr, scratch_nb_ptr, scratch_bt_ptr,
                  bt_stride, block_size, pad_token_id, seq_len_fill, pad_slot_id, null_block,
                  Q: tl.constexpr, Q_POW2: tl.constexpr, BLOCK_W: tl.constexpr,
-                 NUM_REQS_WORD: tl.constexpr, NUM_RECORDS_WORD: tl.constexpr,
-                 HEADER_WORDS: tl.constexpr, RECORD_WORDS: tl.constexpr,
+                 SEQ_MASK: tl.constexpr, HEADER_WORDS: tl.constexpr,
+                 LIST_WORDS: tl.constexpr, RECORD_WORDS: tl.constexpr,
                  R_TOKEN: tl.constexpr, R_POS0: tl.constexpr, R_COL0: tl.constexpr,
-                 R_COUNT: tl.constexpr, R_BLK_OFF: tl.constexpr):
-    """Rebuild request row r (one program per row of the padded step) in place.
+                 R_COUNT: tl.constexpr, R_BLK_OFF: tl.constexpr,
+                 CTR: tl.constexpr, LAST: tl.constexpr, CUR: tl.constexpr,
+                 CUR_N: tl.constexpr, CUR_M: tl.constexpr, CUR_C: tl.constexpr,
+                 CUR_SEQ: tl.constexpr, IN_PLACE: tl.constexpr):
+    """Launch 2: rebuild request row r (one program per row of the padded step) in place.
 
-    Reads staging (int32 record, offsets as constexprs: see the module docstring), sampled
-    int32 [R] and accepted int32 [R] (the previous step's, indexed by its rows), the scratch
-    of snapshot_moved_rows, and row r's own previous num_blocks_per_row. Writes input_ids
-    int32 [R*Q] (token row r*Q), positions int32 [R*Q], slot_mapping int64 [R*Q]
-    (block * block_size + offset), seq_lens int32 [R], query_start_loc int32 [R+1] (entry
-    r+1; program 0 also entry 0), block_table int32 [R, bt_stride] (columns written and the
-    previous occupant's cleared to null_block), num_blocks_per_row int32 [R], and
-    program 0 counts int32 [2] = (N, N*Q). Rows r >= N get the dummy values of the padding
-    ledger, from the buffers' PaddingProfile: pad_token_id, position 0, seq_len_fill,
-    slot pad_slot_id (int64) and null_block in the columns a previous occupant used.
+    Reads the ring state's CUR (the slot launch 1 chose) and CUR_N, CUR_M, CUR_C, CUR_SEQ
+    (that record's header, copied by launch 1), the record's listed rows' records and block
+    ids (offsets as constexprs: see the module docstring), row r's row-map entry (IN_PLACE,
+    -1 unless launch 1 wrote it: then (src, rec)) and resets it, sampled int32 [R] and accepted
+    int32 [R] (the previous step's, indexed by its rows), the scratch of launch 1, and row
+    r's own previous state. Writes input_ids int32 [R*Q] (token row r*Q), positions int32
+    [R*Q], slot_mapping int64 [R*Q] (block * block_size + offset), seq_lens int32 [R],
+    query_start_loc int32 [R+1] (entry r+1; program 0 also entry 0), block_table int32
+    [R, bt_stride] (columns written and the previous occupant's cleared to null_block),
+    num_blocks_per_row int32 [R], and program 0 counts int32 [2] = (N, N*Q) and, when the
+    record was new, the ring state's CTR (next slot) and LAST (its SEQ). Rows r >= N get
+    the dummy values of the padding ledger, from the buffers' PaddingProfile:
+    pad_token_id, position 0, seq_len_fill, slot pad_slot_id (int64) and null_block in
+    the columns a previous occupant used.
     """
     r = tl.program_id(0)
     r64 = r.to(tl.int64)
-    n = tl.load(staging_ptr + NUM_REQS_WORD)
-    num_records = tl.load(staging_ptr + NUM_RECORDS_WORD)
+    ring_slot = tl.load(state_ptr + CUR)
+    record = ring_ptr + ring_slot.to(tl.int64) * slot_words
+    n = tl.load(state_ptr + CUR_N)
+    num_records = tl.load(state_ptr + CUR_M)
+    num_listed = tl.load(state_ptr + CUR_C)
+    seq = tl.load(state_ptr + CUR_SEQ)
     t = tl.arange(0, Q_POW2)
     tmask = t < Q
     tok_rows = r64 * Q + t
     row_bt = block_table_ptr + r64 * bt_stride
+    # Read phase: every word this program writes below (row r's block count, row-map entry,
+    # position, block-table columns, and program 0's LAST) is read here, before the barrier.
     old_nb = tl.load(num_blocks_per_row_ptr + r)
-    # query_start_loc is r * q through the padding (non-decreasing, no stale tail).
-    tl.store(qsl_ptr + r + 1, (r + 1) * Q)
-    if r == 0:
-        tl.store(qsl_ptr, 0)
-        tl.store(counts_ptr, n)
-        tl.store(counts_ptr + 1, n * Q)
+    last = tl.load(state_ptr + LAST, mask=r == 0, other=0)  # program 0 alone uses it
     if r < n:
-        src = tl.load(staging_ptr + HEADER_WORDS + r)
-        rec = tl.load(staging_ptr + HEADER_WORDS + n + r)
-        rec_ptr = staging_ptr + HEADER_WORDS + 2 * n + RECORD_WORDS * rec
-        blk_base = staging_ptr + HEADER_WORDS + 2 * n + RECORD_WORDS * num_records
+        mapped = tl.load(row_map_ptr + 2 * r64)
+        rec = tl.load(row_map_ptr + 2 * r64 + 1)
+        src = tl.where(mapped == IN_PLACE, r, mapped)
+        body = record + HEADER_WORDS + LIST_WORDS * num_listed
+        rec_ptr = body + RECORD_WORDS * rec
+        blk_base = body + RECORD_WORDS * num_records
         has_rec = rec >= 0
         moved = (src >= 0) & (src != r)
         in_place = src == r
@@ -117,21 +178,8 @@ def rebuild_rows(staging_ptr, sampled_ptr, accepted_ptr,
         cnt = tl.where(has_rec, tl.load(rec_ptr + R_COUNT, mask=has_rec, other=0), 0)
         blk_off = tl.where(has_rec, tl.load(rec_ptr + R_BLK_OFF, mask=has_rec, other=0), 0)
         nb_new = col0 + cnt
-        # Block-table row: kept columns from scratch (moved rows only), payload
-        # columns [col0, nb_new), and the null block over what a previous
-        # occupant left in [nb_new, old_nb).
-        start = tl.where(in_place, col0, 0)
-        end = tl.maximum(nb_new, old_nb)
-        for c0 in range(start, end, BLOCK_W):
-            cols = c0 + tl.arange(0, BLOCK_W)
-            kept = tl.where(moved, cols < col0, False)
-            fresh = (cols >= col0) & (cols < nb_new)
-            v_kept = tl.load(scratch_bt_ptr + r64 * bt_stride + cols, mask=kept,
-                             other=null_block)
-            v_new = tl.load(blk_base + blk_off + cols - col0, mask=fresh, other=0)
-            tl.store(row_bt + cols, tl.where(fresh, v_new, v_kept), mask=cols < end)
-        tl.store(num_blocks_per_row_ptr + r, nb_new)
-        # Token rows: positions, slots (int64), input token.
+        # Token rows' blocks: kept columns (< col0) from scratch (moved) or the row itself
+        # (in place: read here, before the block-table writes), new ones from the record.
         pos = pos0 + t
         col = pos // block_size
         from_payload = col >= col0
@@ -142,6 +190,25 @@ def rebuild_rows(staging_ptr, sampled_ptr, accepted_ptr,
         b_new = tl.load(blk_base + blk_off + col - col0, mask=tmask & from_payload, other=0)
         blk = tl.where(from_payload, b_new, tl.where(moved, b_kept_moved, b_kept_here))
         slot = blk.to(tl.int64) * block_size + (pos % block_size).to(tl.int64)
+        # Every warp of this program has read what it needs: only now may any warp write
+        # (docs/ZOS.md, "Ordering": the program's warps are not in step with each other).
+        tl.debug_barrier()
+        tl.store(row_map_ptr + 2 * r64, IN_PLACE)  # the map is all IN_PLACE between builds
+        tl.store(row_map_ptr + 2 * r64 + 1, -1)
+        # Block-table row: kept columns from scratch (moved rows only), payload
+        # columns [col0, nb_new), and the null block over what a previous
+        # occupant left in [nb_new, old_nb).
+        start = tl.where(in_place, col0, 0)
+        end = tl.maximum(nb_new, old_nb)
+        for c0 in range(start, end, BLOCK_W):
+            cols = c0 + tl.arange(0, BLOCK_W)
+            kept_c = tl.where(moved, cols < col0, False)
+            fresh = (cols >= col0) & (cols < nb_new)
+            v_kept = tl.load(scratch_bt_ptr + r64 * bt_stride + cols, mask=kept_c,
+                             other=null_block)
+            v_new = tl.load(blk_base + blk_off + cols - col0, mask=fresh, other=0)
+            tl.store(row_bt + cols, tl.where(fresh, v_new, v_kept), mask=cols < end)
+        tl.store(num_blocks_per_row_ptr + r, nb_new)
         tl.store(positions_ptr + tok_rows, pos, mask=tmask)
         tl.store(slot_mapping_ptr + tok_rows, slot, mask=tmask)
         # Row 0: the token sampled (or, with drafts, the last one accepted); rows 1..q-1
@@ -149,6 +216,7 @@ def rebuild_rows(staging_ptr, sampled_ptr, accepted_ptr,
         tl.store(input_ids_ptr + tok_rows, tl.where(t == 0, token, pad_token_id), mask=tmask)
         tl.store(seq_lens_ptr + r, pos0 + Q)
     else:
+        tl.debug_barrier()  # old_nb read above, before any warp clears the row
         # Dummy row: the padding ledger of docs/ZOS.md, values of the PaddingProfile.
         for c0 in range(0, old_nb, BLOCK_W):
             cols = c0 + tl.arange(0, BLOCK_W)
@@ -158,3 +226,12 @@ def rebuild_rows(staging_ptr, sampled_ptr, accepted_ptr,
         tl.store(positions_ptr + tok_rows, t * 0, mask=tmask)
         tl.store(slot_mapping_ptr + tok_rows, (t * 0).to(tl.int64) + pad_slot_id, mask=tmask)
         tl.store(seq_lens_ptr + r, seq_len_fill)
+    # query_start_loc is r * q through the padding (non-decreasing, no stale tail).
+    tl.store(qsl_ptr + r + 1, (r + 1) * Q)
+    if r == 0:
+        tl.store(qsl_ptr, 0)
+        tl.store(counts_ptr, n)
+        tl.store(counts_ptr + 1, n * Q)
+        if seq == ((last + 1) & SEQ_MASK):  # a new record: consumed
+            tl.store(state_ptr + LAST, seq)
+            tl.store(state_ptr + CTR, (ring_slot + 1) % num_slots)

@@ -2,8 +2,9 @@
 
 The path of one decode step, top to bottom:
     zos.step.DecodeStep        what the scheduler changed this step (host numpy)
-    zos._C.StepPacker          remap + validation + one packed staging record (C++)
-    zos.device_backend         one H2D copy, then zos.kernels.launch_prep
+    zos._C.StepPacker          remap + validation + one sparse staging record (C++)
+    zos.device_backend         the record into a slot of zos.staging_ring (read in place)
+                               or one H2D copy, then zos.kernels.launch_prep
     triton_kernels/prep.py     rebuild input_ids, positions, seq_lens, query_start_loc,
                                block_table, slot_mapping in place; dummy rows at the tail
     zos.buffers                the static buffers and their per-bucket views (StepMetadata)

@@ -1,8 +1,9 @@
-"""zos's metadata backend: one small upload per step, metadata rebuilt on the device."""
+"""zos's metadata backend: one small record per step, metadata rebuilt on the device."""
 from __future__ import annotations
 
 from zos._interpret import check_triton_device
 
+import numpy as np
 import torch
 
 from zos._C import PinnedUpload
@@ -10,24 +11,39 @@ from zos.backend import MetadataBackend, StepPlan
 from zos.buckets import BucketTable
 from zos.buffers import DecodeBuffers
 from zos.graphs import capture_per_bucket
-from zos.kernels import launch_prep
-from zos.staging import HEADER_WORDS
+from zos.kernels import PrepState, launch_prep
+from zos.staging import HEADER_WORDS, SEQ_MASK
+from zos.staging_ring import StagingRing
 from zos.step import DecodeStep
+
+STAGING_MODES = ("mapped", "copy")
 
 
 class DeviceMetadataBackend(MetadataBackend):
     """Builds each step's metadata with the prep kernels, from device state.
 
     Per step, on the host: ``StepPacker.pack`` (C++, no GIL) writes the staging
-    record into one of two pinned buffers, and one H2D copy of that record is
-    enqueued natively (``PinnedUpload``: CUDA driver API, no torch dispatch);
-    its size is 8 + 2N + 5M + L int32 words (N rows; M records: new rows and
-    rows with appended blocks; L block ids: new rows' whole rows and appended
-    blocks), independent of context length and block-table width for carried
-    rows. On the device: ``launch_prep`` (two kernels) rebuilds every
-    field in place. The two pinned buffers alternate, each fenced by an event
-    recorded after its copy, so the host never overwrites a record that an
-    enqueued copy has not read yet (docs/ZOS.md, "Kernels inside the graph").
+    record, 8 + 3C + 5M + L int32 words (C listed rows: those whose request is new or
+    moved, or that get blocks; M records: new rows and rows with appended blocks; L block
+    ids: new rows' whole rows and appended blocks): a row that keeps its request and gets
+    no block costs no word and, in plain decode, no host work. On the device:
+    ``launch_prep`` (two kernels) rebuilds every field in place.
+
+    Where the record goes (``staging``):
+
+    - ``"mapped"`` (default): into slot n mod K of a :class:`zos.staging_ring.StagingRing`
+      of K = ``ring_slots`` records in mapped pinned host memory, which the prep kernels
+      read in place (no copy call); they pick the slot themselves from a ring state on the
+      device, and the host rewrites a slot only after the build that read it has finished
+      (one fence per slot: the host waits only when K steps ahead). ``last_upload_bytes``
+      is then the record's bytes, which the GPU reads from host memory.
+    - ``"copy"``: into one of two pinned buffers, and one H2D copy of it into
+      ``buffers.staging`` is enqueued natively (``PinnedUpload``: CUDA driver API, no torch
+      dispatch), each buffer fenced by an event recorded after its copy (the fallback;
+      same results).
+
+    On a CPU both run the same kernels in Triton's interpreter; "mapped" reads the ring's
+    CPU tensor directly, "copy" copies the record into ``buffers.staging``.
 
     Streams: the upload is enqueued on one stream fixed here (``stream``; by default
     the current stream of the buffers' device when the backend is built), whose raw
@@ -46,26 +62,39 @@ class DeviceMetadataBackend(MetadataBackend):
             count comes from the staged record, so one graph serves every N in
             the bucket). A runner that captures prep together with the model
             passes False and calls ``build`` inside its own capture.
-        stream: the ``torch.cuda.Stream`` the upload is enqueued on, on the buffers'
-            device; None (default) takes ``torch.cuda.current_stream(device)`` now, at
-            construction (later changes of the current stream are not followed). Must be
-            None for CPU buffers.
+        stream: the ``torch.cuda.Stream`` the upload (or the ring's fences) is enqueued on,
+            on the buffers' device; None (default) takes ``torch.cuda.current_stream(device)``
+            now, at construction (later changes of the current stream are not followed).
+            Must be None for CPU buffers.
+        staging: ``"mapped"`` or ``"copy"`` (above).
+        ring_slots: K, records in the mapped ring (>= 1; "mapped" only): steps the host may
+            stage ahead of the device before it waits.
+        dense_record: list every row in the record (the dense record, for comparisons);
+            default False, the sparse record.
 
     Raises:
-        ValueError: as :class:`MetadataBackend`; or ``stream`` is on another device than
-            the buffers, or given for CPU buffers; or CPU buffers on a machine whose Triton
+        ValueError: as :class:`MetadataBackend`; ``stream`` is on another device than
+            the buffers, or given for CPU buffers; ``staging`` not one of the modes;
+            ``ring_slots`` not a positive int; CPU buffers on a machine whose Triton
             compiles for the GPU (set ``TRITON_INTERPRET=1`` before triton is imported:
             ``zos._interpret.check_triton_device``).
         TypeError: ``stream`` is not a ``torch.cuda.Stream``.
-        RuntimeError: on CUDA, the driver cannot be loaded (:class:`zos._C.PinnedUpload`).
+        RuntimeError: on CUDA, the driver cannot be loaded or the ring's memory not mapped
+            (:class:`zos._C.PinnedUpload`, :class:`zos._C.MappedRing`).
     """
 
     name = "zos"
 
     def __init__(self, buffers: DecodeBuffers, *, num_kv_blocks: int, vocab_size: int,
                  buckets: BucketTable | None = None, capture_prep: bool = False,
-                 stream: torch.cuda.Stream | None = None) -> None:
+                 stream: torch.cuda.Stream | None = None, staging: str = "mapped",
+                 ring_slots: int = 4, dense_record: bool = False) -> None:
         check_triton_device(buffers.device, "DeviceMetadataBackend: buffers")
+        if staging not in STAGING_MODES:
+            raise ValueError(f"staging must be one of {STAGING_MODES}, got {staging!r}")
+        if (staging == "mapped" and (not isinstance(ring_slots, int)
+                                     or isinstance(ring_slots, bool) or ring_slots < 1)):
+            raise ValueError(f"ring_slots must be a positive int, got {ring_slots!r}")
         cuda = buffers.device.type == "cuda"
         self._device_index = None
         if cuda:
@@ -79,14 +108,29 @@ class DeviceMetadataBackend(MetadataBackend):
         self._stream_handle = stream.cuda_stream if stream is not None else 0
         super().__init__(buffers, num_kv_blocks=num_kv_blocks, vocab_size=vocab_size,
                          buckets=buckets)
+        self.packer.list_every_row = bool(dense_record)
+        self.staging_mode = staging
         words = buffers.staging.numel()
-        self._pinned = [torch.zeros(words, dtype=torch.int32, pin_memory=cuda) for _ in range(2)]
-        self._pinned_np = [p.numpy() for p in self._pinned]
-        self._upload = None
-        if cuda:
-            with torch.cuda.device(self._device_index):  # the fences live on the buffers' GPU
-                self._upload = PinnedUpload(buffers.staging.data_ptr(), self._pinned[0].data_ptr(),
-                                            self._pinned[1].data_ptr(), 4 * words)
+        self._discard = np.zeros(words, np.int32)  # records no build reads (padded size 0)
+        self._seq = 0  # SEQ of the last record staged for a build
+        self._prep = PrepState(buffers)
+        self._upload = self._ring = self._native_ring = None
+        if staging == "mapped":
+            self._ring = StagingRing(ring_slots, words, buffers.device)
+            if cuda:
+                self._native_ring = self._ring.fences  # zos._C.MappedRing
+            self._prep_args = dict(ring=self._ring.device_view, num_slots=ring_slots,
+                                   slot_words=words, state=self._prep)
+        else:
+            self._pinned = [torch.zeros(words, dtype=torch.int32, pin_memory=cuda)
+                            for _ in range(2)]
+            self._pinned_np = [p.numpy() for p in self._pinned]
+            if cuda:
+                self._upload = PinnedUpload(  # fences in the device's primary context
+                    buffers.staging.data_ptr(), self._pinned[0].data_ptr(),
+                    self._pinned[1].data_ptr(), 4 * words, self._device_index)
+            self._prep_args = dict(ring=buffers.staging, num_slots=1, slot_words=words,
+                                   state=self._prep)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._take_over()
         if capture_prep and cuda and buckets is not None:
@@ -130,32 +174,50 @@ class DeviceMetadataBackend(MetadataBackend):
         self._stream_handle = stream.cuda_stream if stream is not None else 0
 
     def _stage(self, step: DecodeStep, min_padded_size: int = 0) -> StepPlan:
-        """Pack ``step`` and enqueue its one H2D copy into ``buffers.staging``.
+        """Pack ``step`` into the next ring slot (or copy its record into ``buffers.staging``).
 
-        On CUDA the copy is issued natively (:class:`zos._C.PinnedUpload`) on
-        ``self.stream`` (its handle cached: no stream query per step); ``build`` must run
-        on that stream (see the class docstring). Raises ValueError/TypeError (from the
-        packer) before anything is written to the device or to the packer's mirror, and
-        RuntimeError if the driver rejects the copy (the packer is then reset: the next
-        step must be all new rows).
+        "mapped": the slot's fence is waited for only when the host is K steps ahead; the
+        fence of the slot staged last is recorded on ``self.stream`` here, after that step's
+        build. "copy": the H2D copy is issued natively on ``self.stream`` (its handle cached:
+        no stream query per step). ``build`` must run on that stream (see the class
+        docstring). A step of padded size 0 runs no prep kernel: its record is validated
+        and committed to the packer's mirror but written nowhere the device reads. Raises
+        ValueError/TypeError (from the packer) before anything is written to the device, to
+        a slot the device reads or to the packer's mirror, and RuntimeError if the driver
+        rejects a call (the packer is then reset: the next step must be all new rows).
         """
-        up = self._upload
-        k = up.acquire() if up is not None else 0
-        words = self.packer.pack(step.req_ids, step.new_rows, step.new_tokens,
-                                 step.new_positions, step.new_block_indptr, step.new_block_ids,
-                                 step.append_rows, step.append_block_ids, self._pinned_np[k],
-                                 step.rewrite_rows, step.rewrite_block_indptr,
-                                 step.rewrite_block_ids)
-        if up is not None:
-            try:
-                up.submit(k, 4 * words, self._stream_handle)
-            except RuntimeError:
-                self.packer.reset()  # the device never got this step: start over from new rows
-                raise
-        else:
-            self.buffers.staging[:words].copy_(self._pinned[0][:words])
+        plan = self.plan(step.num_reqs, min_padded_size)
+        args = (step.req_ids, step.new_rows, step.new_tokens, step.new_positions,
+                step.new_block_indptr, step.new_block_ids, step.append_rows,
+                step.append_block_ids)
+        rw = dict(rewrite_rows=step.rewrite_rows, rewrite_block_indptr=step.rewrite_block_indptr,
+                  rewrite_block_ids=step.rewrite_block_ids)
+        if plan.padded_size == 0:  # no build reads it: keep the SEQ chain for the next one
+            self.packer.pack(*args, self._discard, **rw)
+            self.last_upload_bytes = 0
+            return plan
+        seq = (self._seq + 1) & SEQ_MASK
+        ring, up = self._ring, self._upload
+        try:
+            if self._native_ring is not None:  # fences, pack and commit in one native call
+                words = self.packer.stage_into_ring(self._native_ring, self._stream_handle, seq,
+                                                    *args, **rw)
+            elif ring is not None:
+                words = self.packer.pack(*args, ring.acquire(self._stream_handle), seq, **rw)
+                ring.commit()
+            else:
+                k = up.acquire() if up is not None else 0
+                words = self.packer.pack(*args, self._pinned_np[k], seq, **rw)
+                if up is not None:
+                    up.submit(k, 4 * words, self._stream_handle)
+                else:
+                    self.buffers.staging[:words].copy_(self._pinned[0][:words])
+        except RuntimeError:
+            self.packer.reset()  # the device may not get this step: start over from new rows
+            raise
+        self._seq = seq
         self.last_upload_bytes = 4 * words
-        return self.plan(step.num_reqs, min_padded_size)
+        return plan
 
     @property
     def captures_prep(self) -> bool:
@@ -175,15 +237,24 @@ class DeviceMetadataBackend(MetadataBackend):
         if graph is not None:
             graph.replay()
         else:
-            launch_prep(self.buffers, padded_size)
+            launch_prep(self.buffers, padded_size, **self._prep_args)
+
+    @property
+    def ring(self) -> StagingRing | None:
+        """The mapped staging ring ("mapped"), else None."""
+        return self._ring
 
     def __del__(self) -> None:
-        if getattr(self, "_upload", None) is not None:
-            try:  # no copy may read the pinned buffers once they are freed
-                self._upload.synchronize()
-            except RuntimeError:  # at interpreter exit the CUDA context may be gone already
-                pass
+        for sync in (getattr(self, "_upload", None), getattr(self, "_ring", None)):
+            if sync is not None:
+                try:  # no copy or build may read the pinned records once they are freed
+                    sync.synchronize()
+                except RuntimeError:  # at interpreter exit the CUDA context may be gone
+                    pass
 
     def _capture(self, buckets: BucketTable) -> None:
-        self.buffers.staging[:HEADER_WORDS].zero_()  # warm-up with N = 0: dummy rows only
-        self._graphs = capture_per_bucket(buckets.sizes, lambda s: launch_prep(self.buffers, s))
+        # Warm-up finds no new record (every ring slot and the staging header hold N = 0,
+        # SEQ 0) and applies an N = 0 record: dummy rows only, the ring state unchanged.
+        self.buffers.staging[:HEADER_WORDS].zero_()
+        self._graphs = capture_per_bucket(
+            buckets.sizes, lambda s: launch_prep(self.buffers, s, **self._prep_args))

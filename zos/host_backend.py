@@ -24,7 +24,8 @@ from zos.step import DecodeStep
 
 
 def _make_build_rows(HEADER_WORDS, RECORD_WORDS, NUM_REQS, NUM_RECORDS,
-                     R_TOKEN, R_POS0, R_COL0, R_COUNT, R_BLK_OFF):
+                     R_TOKEN, R_POS0, R_COL0, R_COUNT, R_BLK_OFF,
+                     NUM_LISTED, LIST_WORDS, L_ROW, L_SRC, L_REC):
     """The numba row builder for one staging layout (word offsets, from zos.staging).
 
     The layout is bound as closure variables, not read from module globals: numba freezes
@@ -36,16 +37,26 @@ def _make_build_rows(HEADER_WORDS, RECORD_WORDS, NUM_REQS, NUM_RECORDS,
     def _build_rows(rec, sampled, accepted, q, block_size, pad_token_id, seq_len_fill,
                     pad_slot_id, null_block, padded_reqs, input_ids, positions, slot_mapping,
                     seq_lens, qsl, block_table, num_blocks_per_row, scratch_pos, scratch_nb,
-                    scratch_bt, bt_compact):  # pragma: no cover - numba
+                    scratch_bt, bt_compact, row_src, row_rec):  # pragma: no cover - numba
         """Apply one staging record (csrc/staging.h) to the host rows; returns C, the
         block-table columns to upload, and writes rows [0, padded_reqs) x [0, C) of
-        the block table into ``bt_compact`` (row-major, stride C)."""
+        the block table into ``bt_compact`` (row-major, stride C). ``row_src`` and
+        ``row_rec`` (int32 [R]) get each row's previous row (-1: new) and record index
+        (-1: none) for rows [0, N); an unlisted row holds its request in place."""
         n = rec[NUM_REQS]
         m = rec[NUM_RECORDS]
-        rec0 = HEADER_WORDS + 2 * n
+        c = rec[NUM_LISTED]
+        rec0 = HEADER_WORDS + LIST_WORDS * c
         blk0 = rec0 + RECORD_WORDS * m
+        for r in range(n):
+            row_src[r] = r
+            row_rec[r] = -1
+        for k in range(c):
+            e = HEADER_WORDS + LIST_WORDS * k
+            row_src[rec[e + L_ROW]] = rec[e + L_SRC]
+            row_rec[rec[e + L_ROW]] = rec[e + L_REC]
         for r in range(n):  # gather rows that move, before any row is overwritten
-            j = rec[HEADER_WORDS + r]
+            j = row_src[r]
             if j >= 0 and j != r:
                 scratch_pos[r] = positions[j * q]
                 nb = num_blocks_per_row[j]
@@ -55,8 +66,8 @@ def _make_build_rows(HEADER_WORDS, RECORD_WORDS, NUM_REQS, NUM_RECORDS,
         for r in range(padded_reqs):
             old_nb = num_blocks_per_row[r]
             if r < n:
-                src = rec[HEADER_WORDS + r]
-                k = rec[HEADER_WORDS + n + r]
+                src = row_src[r]
+                k = row_rec[r]
                 at = rec0 + RECORD_WORDS * k  # row r's record (k >= 0 for every new row)
                 if src >= 0:
                     token = sampled[src]
@@ -112,7 +123,9 @@ def _make_build_rows(HEADER_WORDS, RECORD_WORDS, NUM_REQS, NUM_RECORDS,
 
 _build_rows = _make_build_rows(staging.HEADER_WORDS, staging.RECORD_WORDS, staging.NUM_REQS,
                                staging.NUM_RECORDS, staging.R_TOKEN, staging.R_POS0,
-                               staging.R_COL0, staging.R_COUNT, staging.R_BLK_OFF)
+                               staging.R_COL0, staging.R_COUNT, staging.R_BLK_OFF,
+                               staging.NUM_LISTED, staging.LIST_WORDS, staging.L_ROW,
+                               staging.L_SRC, staging.L_REC)
 
 
 class HostMetadataBackend(MetadataBackend):
@@ -162,6 +175,7 @@ class HostMetadataBackend(MetadataBackend):
         self._sampled = pinned(r)
         self.input_ids_from_device = input_ids_from_device
         self._row_src = pinned(r)  # previous row of each row (-1: new), for the device gather
+        self._row_rec = np.zeros(r, np.int32)
         self._row_src_dev = torch.zeros(r, dtype=torch.int32, device=b.device)
         self._gather_idx = torch.zeros(r, dtype=torch.int32, device=b.device)
         self._gathered = torch.zeros(r, dtype=torch.int32, device=b.device)
@@ -197,7 +211,7 @@ class HostMetadataBackend(MetadataBackend):
             self.packer.apply_accepted(self._accepted_np[:prev], 0)
         self.packer.pack(step.req_ids, step.new_rows, step.new_tokens, step.new_positions,
                          step.new_block_indptr, step.new_block_ids, step.append_rows,
-                         step.append_block_ids, self._record, step.rewrite_rows,
+                         step.append_block_ids, self._record, 0, step.rewrite_rows,
                          step.rewrite_block_indptr, step.rewrite_block_ids)
         plan = self.plan(step.num_reqs, min_padded_size)
         if prev and not self.input_ids_from_device:
@@ -210,7 +224,8 @@ class HostMetadataBackend(MetadataBackend):
                            b.padding.null_block, r, a["input_ids"], a["positions"],
                            a["slot_mapping"], a["seq_lens"], a["query_start_loc"],
                            self._block_table, self._num_blocks_per_row, self._scratch_pos,
-                           self._scratch_nb, self._scratch_bt, a["bt_compact"])
+                           self._scratch_nb, self._scratch_bt, a["bt_compact"],
+                           self._row_src.numpy(), self._row_rec)
         h["counts"][0], h["counts"][1] = plan.num_reqs, plan.num_tokens
         sizes = dict(input_ids=t, positions=t, slot_mapping=t, seq_lens=r,
                      query_start_loc=r + 1, counts=2)
@@ -224,8 +239,6 @@ class HostMetadataBackend(MetadataBackend):
             nbytes += 4 * r * cols
         n = plan.num_reqs
         if self.input_ids_from_device and prev and n:
-            self._row_src.numpy()[:n] = self._record[staging.HEADER_WORDS:
-                                                     staging.HEADER_WORDS + n]
             src = self._row_src_dev[:n]
             src.copy_(self._row_src[:n], non_blocking=True)
             nbytes += 4 * n

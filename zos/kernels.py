@@ -3,33 +3,84 @@ from __future__ import annotations
 
 import zos._interpret  # noqa: F401  (sets TRITON_INTERPRET before triton is imported)
 
+from typing import Any
+
+import torch
 import triton
 
 from zos import staging
 from zos.buffers import DecodeBuffers
-from zos.triton_kernels.prep import rebuild_rows, snapshot_moved_rows
+from zos.triton_kernels.prep import rebuild_rows, scatter_listed_rows
+
+# The ring state the prep kernels keep on the device, int32 words: CTR, the slot the next
+# new record lies in; LAST, the SEQ of the last record applied; CUR, the slot the running
+# build applies, and CUR_N, CUR_M, CUR_C, CUR_SEQ, its record's N, M, C and SEQ (written by
+# launch 1, read by launch 2 from device memory). RING_STATE_WORDS words in all.
+RING_STATE = dict(CTR=0, LAST=1, CUR=2, CUR_N=3, CUR_M=4, CUR_C=5, CUR_SEQ=6)
+RING_STATE_WORDS = 8
+# A row-map entry (src, rec) that launch 1 did not write: the row holds its request in place.
+IN_PLACE = -2
 
 # Every staging offset the kernels read, as constexprs (csrc/staging.h through zos.staging).
-_SNAPSHOT_LAYOUT = dict(NUM_REQS_WORD=staging.NUM_REQS, HEADER_WORDS=staging.HEADER_WORDS)
+_SCATTER_LAYOUT = dict(
+    NUM_REQS_WORD=staging.NUM_REQS, NUM_RECORDS_WORD=staging.NUM_RECORDS,
+    NUM_LISTED_WORD=staging.NUM_LISTED, SEQ_WORD=staging.SEQ, SEQ_MASK=staging.SEQ_MASK,
+    HEADER_WORDS=staging.HEADER_WORDS, LIST_WORDS=staging.LIST_WORDS, L_ROW=staging.L_ROW,
+    L_SRC=staging.L_SRC, L_REC=staging.L_REC, **RING_STATE)
 _REBUILD_LAYOUT = dict(
-    _SNAPSHOT_LAYOUT, NUM_RECORDS_WORD=staging.NUM_RECORDS, RECORD_WORDS=staging.RECORD_WORDS,
-    R_TOKEN=staging.R_TOKEN, R_POS0=staging.R_POS0, R_COL0=staging.R_COL0,
-    R_COUNT=staging.R_COUNT, R_BLK_OFF=staging.R_BLK_OFF)
+    SEQ_MASK=staging.SEQ_MASK, HEADER_WORDS=staging.HEADER_WORDS, LIST_WORDS=staging.LIST_WORDS,
+    RECORD_WORDS=staging.RECORD_WORDS, R_TOKEN=staging.R_TOKEN, R_POS0=staging.R_POS0,
+    R_COL0=staging.R_COL0, R_COUNT=staging.R_COUNT, R_BLK_OFF=staging.R_BLK_OFF,
+    IN_PLACE=IN_PLACE, **RING_STATE)
 
 
-def launch_prep(buffers: DecodeBuffers, padded_size: int) -> None:
+class PrepState:
+    """The device words the prep kernels keep besides the buffers: the ring state and the
+    row map.
+
+    Attributes:
+        state: int32 [RING_STATE_WORDS] on the buffers' device (CTR, LAST, CUR and the
+            header copy: see ``RING_STATE``), zeros: the first new record has SEQ 1 and lies
+            in slot 0.
+        row_map: int32 [max_num_reqs, 2] on the buffers' device: (src, rec) of the rows the
+            running build lists, (IN_PLACE, -1) for every row between builds (launch 1
+            writes the listed rows' entries, launch 2 reads and resets them).
+    """
+
+    def __init__(self, buffers: DecodeBuffers) -> None:
+        i32 = dict(dtype=torch.int32, device=buffers.device)
+        self.state = torch.zeros(RING_STATE_WORDS, **i32)
+        self.row_map = torch.empty((buffers.max_num_reqs, 2), **i32)
+        self.row_map[:, 0] = IN_PLACE
+        self.row_map[:, 1] = -1
+
+
+def _default_state(buffers: DecodeBuffers) -> PrepState:
+    """The state of ``launch_prep`` calls without a ring (one per buffers object)."""
+    state = getattr(buffers, "_zos_prep_state", None)
+    if state is None:
+        state = buffers._zos_prep_state = PrepState(buffers)
+    return state
+
+
+def launch_prep(buffers: DecodeBuffers, padded_size: int, *, ring: Any = None,
+                num_slots: int = 1, slot_words: int | None = None,
+                state: PrepState | None = None) -> None:
     """Rebuild the metadata of a step padded to ``padded_size`` token rows, in place.
 
-    Reads the staged record in ``buffers.staging`` (real row count N at word
-    ``zos.staging.NUM_REQS``; the kernels get every offset of the layout as a constexpr),
-    ``buffers.sampled`` and ``buffers.accepted`` (int32 [max_num_reqs], written by the
-    previous step's sampler), and the previous step's rows. Writes, in place,
-    ``input_ids``, ``positions``, ``slot_mapping`` (token rows [0, padded_size)),
-    ``seq_lens``, ``query_start_loc``, ``block_table``, ``num_blocks_per_row`` (request
-    rows [0, padded_size // q)) and ``counts``; rows past the real N get the dummy values of
-    ``buffers.padding`` (the runner's PaddingProfile).
-    Two launches, grid (padded_size // q,), no host synchronisation and no host value of
-    N: capturable once per bucket.
+    Reads the staged record (layout: csrc/staging.h; real row count N at word
+    ``zos.staging.NUM_REQS``; the kernels get every offset as a constexpr) from slot
+    ``state``'s CTR of ``ring`` (``num_slots`` records of ``slot_words`` int32 words: a
+    :class:`zos.staging_ring.StagingRing`'s device view) when that record is new, else from
+    the slot applied last; by default (``ring`` None) from ``buffers.staging``, one slot, as
+    the copy path uploads it. Also reads ``buffers.sampled`` and ``buffers.accepted`` (int32
+    [max_num_reqs], written by the previous step's sampler) and the previous step's rows.
+    Writes, in place, ``input_ids``, ``positions``, ``slot_mapping`` (token rows
+    [0, padded_size)), ``seq_lens``, ``query_start_loc``, ``block_table``,
+    ``num_blocks_per_row`` (request rows [0, padded_size // q)) and ``counts``, and the ring
+    state; rows past the real N get the dummy values of ``buffers.padding`` (the runner's
+    PaddingProfile). Two launches, grid (padded_size // q,), no host synchronisation and no
+    host value of N or of the slot: capturable once per bucket.
 
     Raises:
         ValueError: padded_size not a multiple of q in [1, max_num_reqs * q].
@@ -39,16 +90,20 @@ def launch_prep(buffers: DecodeBuffers, padded_size: int) -> None:
             or padded_size % q):
         raise ValueError(f"padded_size must be a multiple of uniform_decode_query_len={q} in "
                          f"[1, {b.max_num_reqs * q}], got {padded_size!r}")
+    if ring is None:
+        ring, num_slots, slot_words = b.staging, 1, b.staging.numel()
+    st = state if state is not None else _default_state(b)
     padded_reqs = padded_size // q
     w = b.max_num_blocks_per_req
     block_w = min(256, triton.next_power_of_2(w))
     grid = (padded_reqs,)
-    snapshot_moved_rows[grid](
-        b.staging, b.positions, b.num_blocks_per_row, b.block_table,
+    scatter_listed_rows[grid](
+        ring, st.state, num_slots, slot_words, st.row_map,
+        b.positions, b.num_blocks_per_row, b.block_table,
         b.scratch_pos, b.scratch_num_blocks_per_row, b.scratch_block_table, w,
-        Q=q, BLOCK_W=block_w, **_SNAPSHOT_LAYOUT)
+        Q=q, BLOCK_W=block_w, **_SCATTER_LAYOUT)
     rebuild_rows[grid](
-        b.staging, b.sampled, b.accepted,
+        ring, st.state, num_slots, slot_words, st.row_map, b.sampled, b.accepted,
         b.input_ids, b.positions, b.slot_mapping, b.seq_lens, b.query_start_loc,
         b.block_table, b.num_blocks_per_row, b.counts,
         b.scratch_pos, b.scratch_num_blocks_per_row, b.scratch_block_table,

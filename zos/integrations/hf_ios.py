@@ -4,9 +4,9 @@ asynchronous (:class:`ZosAsyncIOs`) batching, with or without transformers' CUDA
 Both subclass transformers' own IO class and change four of its methods, for decode-only
 batches only (:class:`~zos.integrations.hf_rows.ZosDecodeRows` says which):
 
-* ``prepare_batch_tensors``: zos stages the step (one H2D copy of its record on the compute
-  stream) and does transformers' per-request bookkeeping (positions, placeholder tokens,
-  output positions);
+* ``prepare_batch_tensors``: zos stages the step (its record into zos's staging ring, fenced on
+  the compute stream) and does transformers' per-request bookkeeping (positions, placeholder
+  tokens, output positions);
 * ``get_model_kwargs``: the model reads zos's buffers (``"paged|zos"`` attention);
 * ``carry_over_tokens``: transformers calls it first inside the function it runs or captures
   (``ModelRunner._forward_process_and_sample``): zos's device work goes there, so with
@@ -150,11 +150,11 @@ def _build():
     class ZosAsyncIOs(ContinuousBatchingAsyncIOs):
         """transformers' asynchronous IOs (two host/device IO pairs, H2D, compute and D2H
         streams) with zos's decode steps. zos keeps one set of buffers for both pairs: every zos
-        upload and prep runs on the compute stream, in step order. A zos step transfers no
-        transformers input tensor: its record goes by one copy on the compute stream, and only
-        the logits processors' per-request arguments (when a processor needs them) and the rows
-        of tokens still in flight are copied. Same arguments as the base, plus ``options`` and
-        ``serves`` (as :class:`ZosIOs`).
+        fence and prep runs on the compute stream, in step order. A zos step transfers no
+        transformers input tensor: its record is read in place from zos's mapped staging ring,
+        and only the logits processors' per-request arguments (when a processor needs them) and
+        the rows of tokens still in flight are copied. Same arguments as the base, plus
+        ``options`` and ``serves`` (as :class:`ZosIOs`).
 
         Raises:
             ValueError: the cache has more than one layer group (sliding-window layers).

@@ -27,7 +27,8 @@ Per step:
   builds a :class:`~zos.step.DecodeStep` from what changed (a request that was in the previous
   zos step at the previous position is carried: two record words, plus a block id when it
   crosses a block; any other request is a new row with its token, position and block list),
-  the packer validates it and one H2D copy of the record goes on the compute stream. Inside the
+  the packer validates it and writes its record into zos's staging ring (mapped host memory,
+  fenced on the compute stream; no copy call). Inside the
   step's graph (bucket ``("zos", padded size)`` in transformers' store, captured on first use):
   the previous batch's sampled tokens into ``buffers.sampled``, zos's prep kernels, the rows
   whose token is still in flight (asynchronous batching) from the previous output, the model

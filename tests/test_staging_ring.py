@@ -1,0 +1,463 @@
+"""The sparse record and the zero-copy staging ring, on any device.
+
+The packer's work is O(changed rows) (a row that keeps its request and gets no block is
+neither visited nor listed), the sparse record builds the same buffers as the dense one in
+both backends, and the ring's slots, fences and device-side step counter hold with up to K
+steps in flight: on the CPU a simulated stream defers every build and fence until the host
+waits for one, so a slot rewritten too early would show in the metadata."""
+import numpy as np
+import pytest
+import torch
+
+from zos import (
+    BucketTable,
+    DecodeBuffers,
+    DecodeStep,
+    DeviceMetadataBackend,
+    HostMetadataBackend,
+    StepPacker,
+    device_backend,
+    kernels,
+    staging,
+)
+from zos.staging_ring import ImmediateFences, StagingRing
+
+from helpers import DEVICE, Req, TraceGen, expected
+
+BS, W, NUM_BLOCKS, VOCAB = 4, 6, 400, 1000
+FIELDS = ("input_ids", "positions", "slot_mapping", "seq_lens", "query_start_loc",
+          "block_table", "counts")
+ROW_STATE = FIELDS + ("num_blocks_per_row",)
+
+
+def packer(r=24, w=W, bs=BS, dense=False):
+    p = StepPacker(max_num_reqs=r, uniform_decode_query_len=1, block_size=bs,
+                   max_num_blocks_per_req=w, num_kv_blocks=NUM_BLOCKS, vocab_size=VOCAB)
+    p.list_every_row = dense
+    return p
+
+
+def pack(p, step, out):
+    return p.pack(step.req_ids, step.new_rows, step.new_tokens, step.new_positions,
+                  step.new_block_indptr, step.new_block_ids, step.append_rows,
+                  step.append_block_ids, out, rewrite_rows=step.rewrite_rows,
+                  rewrite_block_indptr=step.rewrite_block_indptr,
+                  rewrite_block_ids=step.rewrite_block_ids)
+
+
+def spoil(step, rng):
+    """``step`` made invalid one way or another (a dropped append, a bad block id, a
+    duplicate request id, a rewritten row's block id past the pool or a rewritten row also
+    appended to), or None when it has nothing to spoil that way."""
+    kind = int(rng.integers(0, 5))
+    rw = (step.rewrite_rows, step.rewrite_block_indptr, step.rewrite_block_ids)
+    if kind == 3 and len(step.rewrite_block_ids):
+        ids = step.rewrite_block_ids.copy()
+        ids[0] = NUM_BLOCKS
+        return DecodeStep(step.req_ids, step.new_rows, step.new_tokens, step.new_positions,
+                          step.new_block_indptr, step.new_block_ids, step.append_rows,
+                          step.append_block_ids, rw[0], rw[1], ids)
+    if kind == 4 and len(step.rewrite_rows):
+        return DecodeStep(step.req_ids, step.new_rows, step.new_tokens, step.new_positions,
+                          step.new_block_indptr, step.new_block_ids,
+                          np.append(step.append_rows, step.rewrite_rows[:1]),
+                          np.append(step.append_block_ids, np.int32(1)), *rw)
+    if kind == 0 and len(step.append_rows):
+        return DecodeStep(step.req_ids, step.new_rows, step.new_tokens, step.new_positions,
+                          step.new_block_indptr, step.new_block_ids, step.append_rows[1:],
+                          step.append_block_ids[1:], *rw)
+    if kind == 1 and len(step.new_block_ids):
+        ids = step.new_block_ids.copy()
+        ids[-1] = NUM_BLOCKS
+        return DecodeStep(step.req_ids, step.new_rows, step.new_tokens, step.new_positions,
+                          step.new_block_indptr, ids, step.append_rows, step.append_block_ids,
+                          *rw)
+    if kind == 2 and step.num_reqs >= 2:
+        ids = step.req_ids.copy()
+        ids[-1] = ids[0]
+        return DecodeStep(ids, step.new_rows, step.new_tokens, step.new_positions,
+                          step.new_block_indptr, step.new_block_ids, step.append_rows,
+                          step.append_block_ids, *rw)
+    return None
+
+
+@pytest.mark.parametrize("rewrite", [0.0, 0.2])
+@pytest.mark.parametrize("seed", range(5))
+def test_packer_sparse_record_equals_dense_record(seed, rewrite):
+    """On seeded traces with invalid steps mixed in, the sparse and the dense packer accept
+    and refuse the same steps (same message) and their records say the same for every row;
+    with ``rewrite``, carried rows' block lists are also rewritten (DecodeStep.rewrite_rows)."""
+    gen = TraceGen(seed, max_num_reqs=24, block_size=BS, max_blocks=W,
+                   num_kv_blocks=NUM_BLOCKS, vocab=VOCAB, big=True, rewrite=rewrite)
+    sparse, dense = packer(), packer(dense=True)
+    rng = np.random.default_rng(seed + 100)
+    out_s, out_d = np.zeros(8192, np.int32), np.zeros(8192, np.int32)
+    refused, rewritten, refused_rewrites = 0, 0, 0
+    for _ in range(250):
+        step, rows = gen.next_step()
+        bad = spoil(step, rng) if rng.random() < 0.2 else None
+        if bad is not None:
+            msgs = []
+            for p, out in ((sparse, out_s), (dense, out_d)):
+                before = out.copy()
+                with pytest.raises(ValueError) as err:
+                    pack(p, bad, out)
+                assert (out == before).all()  # nothing written
+                msgs.append(str(err.value))
+            assert msgs[0] == msgs[1]
+            refused += 1
+            refused_rewrites += "rewrite" in msgs[0]
+        ws, wd = pack(sparse, step, out_s), pack(dense, step, out_d)
+        vs, vd = staging.parse(out_s[:ws]), staging.parse(out_d[:wd])
+        assert len(vd.listed) == step.num_reqs
+        assert len(vs.listed) == int(((vs.row_src != np.arange(step.num_reqs))
+                                      | (vs.row_rec >= 0)).sum())
+        assert (vs.listed[:, staging.L_ROW] == np.sort(vs.listed[:, staging.L_ROW])).all()
+        for f in ("row_src", "row_rec", "records", "blocks"):
+            assert getattr(vs, f).tolist() == getattr(vd, f).tolist(), f
+        head = [staging.NUM_REQS, staging.NUM_TOKENS, staging.PREV_REQS, staging.NUM_RECORDS,
+                staging.NUM_BLOCK_IDS, staging.Q]
+        assert out_s[head].tolist() == out_d[head].tolist()
+        rewritten += len(step.rewrite_rows)
+        gen.sampled(rows)
+    assert refused > 10
+    assert (rewritten > 50 and refused_rewrites >= 2) if rewrite else rewritten == 0
+
+
+@pytest.mark.parametrize("bs,w", [(16, 8), (5, 7), (1, 40)])
+def test_unchanged_rows_cost_no_visit(bs, w):
+    """A steady batch: every step the packer visits only the rows that cross into a block
+    (once as changed rows, once in their deadline bucket), lists only them, and a step that
+    forgets one such append is refused naming it, with nothing committed."""
+    n = 64
+    p = packer(r=n, w=w, bs=bs)
+    out = np.zeros(staging.capacity_words(n, w), np.int32)
+    pos = [(3 * i) % (w * bs // 2) for i in range(n)]
+    blocks = [[1 + (i * w + c) % (NUM_BLOCKS - 1) for c in range(pos[i] // bs + 1)]
+              for i in range(n)]
+    ids = list(range(500, 500 + n))
+    pack(p, DecodeStep.build(ids, {i: (7, pos[i], blocks[i]) for i in range(n)}), out)
+    crossed = 0
+    for _ in range(w * bs // 2 - 1):
+        pos = [x + 1 for x in pos]
+        appends = [(i, 1 + (i * w + pos[i] // bs) % (NUM_BLOCKS - 1)) for i in range(n)
+                   if pos[i] % bs == 0]
+        step = DecodeStep.build(ids, appends=appends)
+        if appends:
+            forgot = DecodeStep.build(ids, appends=appends[1:])
+            row = appends[0][0]
+            with pytest.raises(ValueError, match=f"row {row} .*append a block"):
+                pack(p, forgot, out)
+        words = pack(p, step, out)
+        a = len(appends)
+        assert p.rows_visited == 2 * a
+        assert words == staging.total_words(a, a, a)
+        view = staging.parse(out[:words])
+        assert view.listed.tolist() == [[i, i, k] for k, (i, _) in enumerate(appends)]
+        crossed += a
+    assert crossed >= n
+
+
+def make(kind, *, dense=False, **kw):
+    bufs = DecodeBuffers(24, W, BS, device=DEVICE)
+    common = dict(num_kv_blocks=NUM_BLOCKS, vocab_size=VOCAB, buckets=BucketTable([4, 8, 16]))
+    if kind == "host":
+        be = HostMetadataBackend(bufs, **common)
+        be.packer.list_every_row = dense
+        return be
+    return DeviceMetadataBackend(bufs, staging=kind, dense_record=dense, **common, **kw)
+
+
+@pytest.mark.parametrize("rewrite", [0.0, 0.25])
+@pytest.mark.parametrize("seed", range(2))
+def test_sparse_and_dense_records_build_identical_buffers(seed, rewrite):
+    """Both backends, sparse and dense records, mapped ring and copy: identical metadata (and
+    identical device row state between the device variants) after every step, equal to the
+    truth; with ``rewrite``, carried rows' block lists are also rewritten."""
+    gen = TraceGen(seed, max_num_reqs=24, block_size=BS, max_blocks=W,
+                   num_kv_blocks=NUM_BLOCKS, vocab=VOCAB, big=True, rewrite=rewrite)
+    device = [make("mapped"), make("copy", dense=True), make("mapped", dense=True, ring_slots=1)]
+    host = [make("host"), make("host", dense=True)]
+    for _ in range(16):
+        step, rows = gen.next_step()
+        mds = [b.prepare(step) for b in device + host]
+        padded = {md.padded_size for md in mds}
+        assert len(padded) == 1
+        want = expected(rows, padded.pop(), block_size=BS, max_blocks=W)
+        for md in mds:
+            for f in FIELDS:
+                assert getattr(md, f).cpu().numpy().tolist() == want[f].tolist(), f
+        for f in ROW_STATE:
+            ref = getattr(device[0].buffers, f).cpu()
+            for b in device[1:]:
+                assert torch.equal(getattr(b.buffers, f).cpu(), ref), f
+        toks = torch.from_numpy(gen.sampled(rows)).to(DEVICE)
+        for b in device + host:
+            b.buffers.sampled[: len(rows)] = toks
+
+
+# --- the ring, with steps held in flight on a simulated stream (CPU) --------------------------
+
+class HeldStream:
+    """A stream whose work runs only when the host waits for a fence: a stalled GPU."""
+
+    def __init__(self):
+        self.queue = []
+        self.builds_done = 0
+
+    def enqueue(self, fn):
+        self.queue.append(fn)
+
+    def run_one(self):
+        self.queue.pop(0)()
+
+
+class HeldFences(ImmediateFences):
+    """The ring's fence logic over ``HeldStream``: a fence is done when the stream has run
+    past the point where it was recorded. Checks at each acquire that the build that last
+    read the slot has run."""
+
+    def __init__(self, num_slots, stream):
+        super().__init__(num_slots)
+        self.stream = stream
+        self.recorded, self.done = [0] * num_slots, [0] * num_slots
+        self.acquires = 0
+
+    def record(self, slot):
+        self.recorded[slot] += 1
+        token = self.recorded[slot]
+        self.stream.enqueue(lambda: self.done.__setitem__(slot, token))
+
+    def query(self, slot):
+        return self.done[slot] == self.recorded[slot]
+
+    def wait(self, slot):
+        while not self.query(slot):
+            self.stream.run_one()
+
+    def acquire(self, stream=0):
+        slot = super().acquire(stream)
+        assert slot == self.acquires % self.num_slots
+        # Step n writes slot n mod K: the build of step n - K, which read it, has run.
+        assert self.stream.builds_done >= self.acquires - self.num_slots + 1
+        self.acquires += 1
+        return slot
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="simulates the stream on the CPU")
+@pytest.mark.parametrize("num_slots", [1, 2, 3])
+def test_ring_steps_in_flight(monkeypatch, num_slots):
+    """Up to K builds in flight, the host wrapping the ring several times: each slot is
+    rewritten only after its fence, the host waits only when K steps ahead, and every step's
+    metadata (read when its build runs) equals the truth."""
+    stream = HeldStream()
+    real = kernels.launch_prep
+
+    def deferred(*args, **kw):
+        def run():
+            real(*args, **kw)
+            stream.builds_done += 1
+        stream.enqueue(run)
+
+    monkeypatch.setattr(device_backend, "launch_prep", deferred)
+    dev = make("mapped", ring_slots=num_slots)
+    fences = dev.ring.fences = HeldFences(num_slots, stream)
+    gen = TraceGen(7, max_num_reqs=24, block_size=BS, max_blocks=W, num_kv_blocks=NUM_BLOCKS,
+                   vocab=VOCAB)
+    got, truth = [], []
+    steps = 3 * num_slots + 4
+    for n in range(steps):
+        step, rows = gen.next_step()
+        truth.append([Req(r.rid, r.token, r.pos, list(r.blocks)) for r in rows])
+        plan = dev.stage(step)
+        dev.build(plan.padded_size)
+        assert n + 1 - stream.builds_done == min(n + 1, num_slots)  # builds in flight
+        md = dev.metadata(plan)
+        stream.enqueue(lambda md=md: got.append(
+            (md.padded_size, {f: getattr(md, f).clone() for f in FIELDS})))
+        toks = torch.from_numpy(gen.sampled(rows))
+        stream.enqueue(lambda toks=toks: dev.buffers.sampled[: len(toks)].copy_(toks))
+    while stream.queue:
+        stream.run_one()
+    assert fences.waits == steps - num_slots
+    for rows, (padded, fields) in zip(truth, got):
+        want = expected(rows, padded, block_size=BS, max_blocks=W)
+        for f in FIELDS:
+            assert fields[f].numpy().tolist() == want[f].tolist(), f
+    state = dev._prep.state.tolist()
+    assert state[kernels.RING_STATE["CTR"]] == steps % num_slots
+    assert state[kernels.RING_STATE["LAST"]] == steps
+
+
+def test_ring_build_without_new_record_and_empty_step():
+    """A build with no new record (warm-up) applies the last record again and leaves the ring
+    state; a step of padded size 0 takes no slot; a refused step writes no slot."""
+    dev = make("mapped", ring_slots=2)
+    state = dev._prep.state
+    dev.build(4)  # nothing staged: the all-zero slot, N = 0, dummy rows only
+    assert dev.buffers.counts.tolist() == [0, 0] and state.tolist()[:2] == [0, 0]
+    first = DecodeStep.build([5, 6], {0: (11, 3, [7]), 1: (12, 0, [8])})
+    md = dev.prepare(first)
+    assert md.positions[:2].tolist() == [3, 0] and state.tolist()[:2] == [1, 1]
+    assert dev.ring.seq_of(0) == 1
+    dev.buffers.sampled[:2] = torch.tensor([21, 22], dtype=torch.int32, device=DEVICE)
+    plan = dev.stage(DecodeStep.build([]))  # padded size 0: validated, no slot
+    assert plan.padded_size == 0 and dev.last_upload_bytes == 0
+    dev.build(0)
+    assert dev.buffers.counts.tolist() == [0, 0] and state.tolist()[:2] == [1, 1]
+    slots = dev.ring.slots.copy()
+    with pytest.raises(ValueError, match="block id 0 outside"):
+        dev.stage(DecodeStep.build([9], {0: (1, 0, [0])}))
+    assert (dev.ring.slots == slots).all()
+    md = dev.prepare(DecodeStep.build([9], {0: (13, 5, [9, 10])}))
+    assert state.tolist()[:2] == [0, 2] and dev.ring.seq_of(1) == 2
+    assert md.input_ids.tolist() == [13, 0, 0, 0] and md.positions[:1].tolist() == [5]
+    assert md.slot_mapping[:1].tolist() == [10 * BS + 5 % BS]  # column 1: block 10
+    dev.build(4)  # repeated without a new record: the same record again, state unchanged
+    assert md.positions[:1].tolist() == [5] and state.tolist()[:2] == [0, 2]
+
+
+def test_ring_arguments():
+    with pytest.raises(ValueError, match="ring_slots must be a positive int"):
+        make("mapped", ring_slots=0)
+    with pytest.raises(ValueError, match="staging must be one of"):
+        make("zero-copy")
+    with pytest.raises(ValueError, match="num_slots must be a positive int"):
+        StagingRing(0, 8, torch.device("cpu"))
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the native ring maps memory through CUDA")
+def test_native_ring_stage_into_ring():
+    """``StepPacker.stage_into_ring`` writes the record ``pack`` writes into slot n mod K with
+    its SEQ; a refused step neither writes nor commits a slot; the fences wait only when the
+    host is K steps ahead of a stalled stream."""
+    from zos._C import MappedRing
+    from zos.serving.profiling import gpu_busy
+
+    ring, ref = MappedRing(2, 256, torch.cuda.current_device()), packer()
+    p, out = packer(), np.zeros(256, np.int32)
+    slots = ring.array()
+    stream = torch.cuda.current_stream().cuda_stream
+    # Request 5 is at position 3 (block [7], 4 tokens per block): it moves to row 1 at
+    # position 4 in the second step, which opens block column 1, so that step appends.
+    steps = [DecodeStep.build([5, 6], {0: (1, 3, [7]), 1: (2, 0, [8])}),
+             DecodeStep.build([6, 5], appends=[(1, 9)]), DecodeStep.build([6, 5])]
+    elapsed = torch.zeros(1, dtype=torch.int64, device="cuda")
+    gpu_busy(200_000, elapsed)  # 0.2 s: the fences recorded below stay pending
+    for n, step in enumerate(steps):
+        words = p.stage_into_ring(ring, stream, n + 1, *(
+            getattr(step, f) for f in ("req_ids", "new_rows", "new_tokens", "new_positions",
+                                       "new_block_indptr", "new_block_ids", "append_rows",
+                                       "append_block_ids")))
+        assert words == pack(ref, step, out)
+        out[staging.SEQ] = n + 1
+        assert slots[n % 2, :words].tolist() == out[:words].tolist()
+        if n == 0:
+            before = slots.copy()
+            with pytest.raises(ValueError, match="appears twice"):
+                p.stage_into_ring(ring, stream, 9, np.array([5, 5], np.int64), *(
+                    np.zeros(k, np.int32) for k in (0, 0, 0, 1, 0, 0, 0)))
+            assert (slots == before).all()
+    assert ring.waits == 1  # the third step's slot was read by the stalled first step
+    ring.synchronize()
+
+
+def steady_steps(n, w, bs, num_steps, seed):
+    """A bench-like decode trace of ``n`` rows (bench/workload.py in small): the first step
+    has every row new with a full block-table row of ``w`` blocks (the largest record a slot
+    must hold: capacity_words(n, w) words), then every row advances one token, rows that
+    open a block get one appended, and 5% of the rows are replaced in place by arrivals."""
+    rng = np.random.default_rng(seed)
+    ids, pos, nb = np.arange(1, n + 1), rng.integers(w * bs - bs, w * bs - 8, n), np.full(n, w)
+    base = 1 + np.arange(n) * w  # request i's blocks: [base, base + w), all distinct
+    next_id = n + 1
+    steps = [DecodeStep.build(ids.copy(), {r: (int(rng.integers(0, VOCAB)), int(pos[r]),
+                                               range(int(base[r]), int(base[r] + w)))
+                                           for r in range(n)})]
+    for _ in range(num_steps - 1):
+        pos += 1
+        done = pos + 1 > w * bs
+        done[rng.choice(n, max(1, n // 20), replace=False)] = True
+        new = {}
+        for r in np.flatnonzero(done):
+            ids[r], next_id = next_id, next_id + 1
+            pos[r] = int(rng.integers(0, w * bs - 8))
+            nb[r] = pos[r] // bs + 1
+            new[int(r)] = (int(rng.integers(0, VOCAB)), int(pos[r]),
+                           range(int(base[r]), int(base[r] + nb[r])))
+        grow = np.flatnonzero(~done & (pos // bs >= nb))
+        appends = [(int(r), int(base[r] + nb[r])) for r in grow]
+        nb[grow] += 1
+        steps.append(DecodeStep.build(ids.copy(), new, appends))
+    return steps
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="simulates the stream on the CPU")
+def test_ring_full_record_at_512_rows_with_builds_in_flight(monkeypatch):
+    """N = 512 (the size the H200 bench first failed at): the first record fills a slot to
+    capacity_words exactly (every row new with a full block-table row), later steps replace
+    5% of the rows and append blocks; the host runs K = 4 steps ahead of a held stream, so
+    every slot is rewritten while the other three are in flight. Each step's buffers equal
+    the host backend's, field by field."""
+    n, w, bs, k = 512, 8, 16, 4
+    steps = steady_steps(n, w, bs, k + 2, seed=512)
+    common = dict(num_kv_blocks=1 + n * w, vocab_size=VOCAB,
+                  buckets=BucketTable([256, 512]))
+    host = HostMetadataBackend(DecodeBuffers(n, w, bs, device=DEVICE), **common)
+    stream = HeldStream()
+    real = device_backend.launch_prep
+
+    def deferred(*args, **kw):
+        def run():
+            real(*args, **kw)
+            stream.builds_done += 1
+        stream.enqueue(run)
+
+    monkeypatch.setattr(device_backend, "launch_prep", deferred)
+    dev = DeviceMetadataBackend(DecodeBuffers(n, w, bs, device=DEVICE), staging="mapped",
+                                ring_slots=k, **common)
+    fences = dev.ring.fences = HeldFences(k, stream)
+    got, want = [], []
+    for i, step in enumerate(steps):
+        plan = dev.stage(step)
+        if i == 0:
+            assert dev.last_upload_bytes == 4 * staging.capacity_words(n, w) == \
+                4 * dev.ring.slot_words
+        dev.build(plan.padded_size)
+        md = dev.metadata(plan)
+        stream.enqueue(lambda md=md: got.append({f: getattr(md, f).clone() for f in FIELDS}))
+        ref = host.prepare(step)
+        want.append({f: getattr(ref, f).clone() for f in FIELDS})
+    while stream.queue:
+        stream.run_one()
+    assert fences.waits == len(steps) - k
+    for i, (g, h) in enumerate(zip(got, want)):
+        for f in FIELDS:
+            assert torch.equal(g[f], h[f]), (i, f)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the native ring maps memory through CUDA")
+def test_native_ring_on_a_fresh_thread():
+    """A ring built and used on a thread that has not touched CUDA (transformers' continuous
+    batching runs its loop on a background thread) takes its device's primary context
+    itself: slots are written and fenced there (three steps over two slots)."""
+    import threading
+
+    out = {}
+
+    def run():
+        try:
+            ring = StagingRing(2, 64, torch.device("cuda", torch.cuda.current_device()))
+            for n in range(3):
+                ring.acquire(torch.cuda.current_stream().cuda_stream)[0] = n
+                ring.commit()
+            ring.synchronize()
+            out["slots"] = ring.slots[:, 0].tolist()
+        except Exception as e:  # re-raised on the test's thread
+            out["error"] = e
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    assert "error" not in out, out.get("error")
+    assert out["slots"] == [2, 1]
