@@ -43,7 +43,7 @@ from zos import BucketTable, DecodeBuffers, DeviceMetadataBackend, HostMetadataB
 from zos.buckets import vllm_policy  # noqa: E402
 from zos.serving.profiling import gpu_busy, profile_device  # noqa: E402
 
-from workload import SteadyWorkload  # noqa: E402
+from workload import SteadyWorkload, workload_steps  # noqa: E402
 
 VARIANTS = ("host", "zos-eager", "zos-graph", "zos-graph-copy")
 FIELDS = ("input_ids", "positions", "slot_mapping", "seq_lens", "query_start_loc",
@@ -100,15 +100,17 @@ def sync(device):
 
 
 def bench_one(variant, steps, wl, device, buckets, warmup, timed, profiled, gap_us=0):
-    """Run ``steps`` through one backend: warm-up, timed steps (host us), profiled steps
-    (GPU us, H2D bytes and copies). Returns (row dict, backend)."""
+    """Run ``steps`` (an iterator, :func:`workload_steps`) through one backend: warm-up,
+    timed steps (host us; the step is built, untimed, right before it), profiled steps (GPU
+    us, H2D bytes and copies). Returns (row dict, backend)."""
     backend = make_backend(variant, wl, device, buckets)
-    for s in steps[: 1 + warmup]:
-        backend.prepare(s)
+    for _ in range(1 + warmup):
+        backend.prepare(next(steps))
     sync(device)
     host_us, upload = [], []
     elapsed = torch.zeros(1, dtype=torch.int64, device=device) if gap_us else None
-    for s in steps[1 + warmup : 1 + warmup + timed]:
+    for _ in range(timed):
+        s = next(steps)
         t0 = time.perf_counter_ns()
         backend.prepare(s)
         host_us.append((time.perf_counter_ns() - t0) / 1e3)
@@ -117,7 +119,7 @@ def bench_one(variant, steps, wl, device, buckets, warmup, timed, profiled, gap_
             gpu_busy(gap_us, elapsed)
             torch.cuda.synchronize()
     sync(device)
-    rest = steps[1 + warmup + timed : 1 + warmup + timed + profiled]
+    rest = [next(steps) for _ in range(profiled)]
     row = dict(variant=variant, gap_us=gap_us, host_us_median=statistics.median(host_us),
                host_us_p90=sorted(host_us)[int(0.9 * len(host_us))],
                backend_upload_bytes_median=statistics.median(upload),
@@ -166,11 +168,11 @@ def main(argv=None):
     for ctx in [int(c) for c in args.contexts.split(",")]:
         for n in [int(x) for x in args.sizes.split(",")]:
             wl = SteadyWorkload(n, max_context=ctx, seed=n)
-            steps = [wl.first_step()] + [wl.next_step() for _ in range(
-                args.warmup + args.steps + args.profiled)]
+            count = args.warmup + args.steps + args.profiled
             backends = {}
             for v in variants:
-                row, backends[v] = bench_one(v, steps, wl, device, buckets, args.warmup,
+                row, backends[v] = bench_one(v, workload_steps(n, ctx, count), wl, device,
+                                             buckets, args.warmup,
                                              args.steps, args.profiled, args.gap_us)
                 rows.append(dict(n=n, max_context=ctx, block_size=wl.bs, **row))
             ref = backends["host"].metadata(backends["host"].plan(n))
@@ -181,7 +183,8 @@ def main(argv=None):
                     failures.append(f"{v} differs from host at N={n} after the last step "
                                     f"(ring waits {waits}): {diff}")
                     if args.check_steps:  # which step first differs, host and v in lockstep
-                        failures.append(f"  lockstep: {lockstep(v, steps, wl, device, buckets)}")
+                        first = lockstep(v, workload_steps(n, ctx, count), wl, device, buckets)
+                        failures.append(f"  lockstep: {first}")
             del backends
     print_table(rows)
     if args.out:

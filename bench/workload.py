@@ -68,3 +68,14 @@ class SteadyWorkload:
         appends = [(int(r), int(self.base[r] + self.nblocks[r])) for r in grow]
         self.nblocks[grow] += 1
         return DecodeStep.build(self.ids.copy(), new, appends)
+
+
+def workload_steps(n, max_context, count):
+    """The first step and ``count`` more of a :class:`SteadyWorkload` of size ``n`` (seeded
+    with ``n``: every backend gets the same steps), each built when it is asked for, as a
+    scheduler builds a step right before it is staged: its arrays are then as warm in the
+    host's caches as in a serving loop (prebuilt steps would all be cold)."""
+    wl = SteadyWorkload(n, max_context=max_context, seed=n)
+    yield wl.first_step()
+    for _ in range(count):
+        yield wl.next_step()

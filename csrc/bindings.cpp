@@ -69,28 +69,23 @@ int64_t compute_remap(const py::handle& prev_obj, const py::handle& curr_obj,
                        static_cast<int32_t*>(out.mutable_data()));
 }
 
-// The arrays of one DecodeStep, checked (dtype, 1-D, contiguous, matching lengths).
+// The arrays of one DecodeStep, checked (dtype, 1-D, contiguous, matching lengths): the
+// StepInput over them and the references that keep them alive while the GIL is released.
 struct CheckedStep {
-  py::array ids, rows, toks, pos, indptr, blks, arows, ablks;
-  py::array wrows, windptr, wblks;  // rewritten rows: none when all three were None
-  bool rewrites = false;
-  zos::StepInput input() const {
-    zos::StepInput in{ptr<int64_t>(ids),   ids.size(),          ptr<int32_t>(rows),
-                      ptr<int32_t>(toks),  ptr<int32_t>(pos),   ptr<int32_t>(indptr),
-                      ptr<int32_t>(blks),  rows.size(),         blks.size(),
-                      ptr<int32_t>(arows), ptr<int32_t>(ablks), arows.size()};
-    static const int32_t kZero = 0;
-    in.rewrite_block_indptr = &kZero;  // no rewritten rows: indptr = [0]
-    if (rewrites) {
-      in.rewrite_rows = ptr<int32_t>(wrows);
-      in.rewrite_block_indptr = ptr<int32_t>(windptr);
-      in.rewrite_block_ids = ptr<int32_t>(wblks);
-      in.x = wrows.size();
-      in.y = wblks.size();
-    }
-    return in;
-  }
+  py::object keep[11];  // the arrays (the last three: none when there are no rewritten rows)
+  zos::StepInput in{};
 };
+
+// Checks obj as a 1-D contiguous array of T named field (as `checked`), keeps a reference
+// in *keep and returns its data and size.
+template <typename T>
+const T* view(const py::handle& obj, const char* field, py::object* keep, int64_t* size) {
+  py::array a = checked<T>(obj, field);
+  *size = a.size();
+  const T* p = ptr<T>(a);
+  *keep = std::move(a);
+  return p;
+}
 
 CheckedStep check_step(const py::handle& req_ids, const py::handle& new_rows,
                        const py::handle& new_tokens, const py::handle& new_positions,
@@ -98,40 +93,79 @@ CheckedStep check_step(const py::handle& req_ids, const py::handle& new_rows,
                        const py::handle& append_rows, const py::handle& append_block_ids,
                        const py::handle& rewrite_rows, const py::handle& rewrite_block_indptr,
                        const py::handle& rewrite_block_ids) {
-  CheckedStep c{checked<int64_t>(req_ids, "req_ids"),
-                checked<int32_t>(new_rows, "new_rows"),
-                checked<int32_t>(new_tokens, "new_tokens"),
-                checked<int32_t>(new_positions, "new_positions"),
-                checked<int32_t>(new_block_indptr, "new_block_indptr"),
-                checked<int32_t>(new_block_ids, "new_block_ids"),
-                checked<int32_t>(append_rows, "append_rows"),
-                checked<int32_t>(append_block_ids, "append_block_ids")};
-  const auto m = c.rows.size();
-  if (c.toks.size() != m || c.pos.size() != m)
+  CheckedStep c;
+  zos::StepInput& in = c.in;
+  int64_t m = 0, ntoks = 0, npos = 0, nindptr = 0, nablks = 0;
+  in.req_ids = view<int64_t>(req_ids, "req_ids", &c.keep[0], &in.n);
+  in.new_rows = view<int32_t>(new_rows, "new_rows", &c.keep[1], &m);
+  in.new_tokens = view<int32_t>(new_tokens, "new_tokens", &c.keep[2], &ntoks);
+  in.new_positions = view<int32_t>(new_positions, "new_positions", &c.keep[3], &npos);
+  in.new_block_indptr = view<int32_t>(new_block_indptr, "new_block_indptr", &c.keep[4],
+                                      &nindptr);
+  in.new_block_ids = view<int32_t>(new_block_ids, "new_block_ids", &c.keep[5], &in.l);
+  in.append_rows = view<int32_t>(append_rows, "append_rows", &c.keep[6], &in.a);
+  in.append_block_ids = view<int32_t>(append_block_ids, "append_block_ids", &c.keep[7],
+                                      &nablks);
+  in.m = m;
+  if (ntoks != m || npos != m)
     throw py::value_error("new_tokens and new_positions must have len(new_rows) = " +
-                          std::to_string(m) + " elements, got " + std::to_string(c.toks.size()) +
-                          " and " + std::to_string(c.pos.size()));
-  if (c.indptr.size() != m + 1)
+                          std::to_string(m) + " elements, got " + std::to_string(ntoks) +
+                          " and " + std::to_string(npos));
+  if (nindptr != m + 1)
     throw py::value_error("new_block_indptr must have len(new_rows) + 1 = " +
-                          std::to_string(m + 1) + " elements, got " +
-                          std::to_string(c.indptr.size()));
-  if (c.ablks.size() != c.arows.size())
+                          std::to_string(m + 1) + " elements, got " + std::to_string(nindptr));
+  if (nablks != in.a)
     throw py::value_error("append_block_ids must have len(append_rows) = " +
-                          std::to_string(c.arows.size()) + " elements, got " +
-                          std::to_string(c.ablks.size()));
+                          std::to_string(in.a) + " elements, got " + std::to_string(nablks));
   // Rewritten rows (optional: none when all three are None).
-  c.rewrites = !rewrite_rows.is_none() || !rewrite_block_indptr.is_none() ||
-               !rewrite_block_ids.is_none();
-  if (c.rewrites) {
-    c.wrows = checked<int32_t>(rewrite_rows, "rewrite_rows");
-    c.windptr = checked<int32_t>(rewrite_block_indptr, "rewrite_block_indptr");
-    c.wblks = checked<int32_t>(rewrite_block_ids, "rewrite_block_ids");
-    if (c.windptr.size() != c.wrows.size() + 1)
+  static const int32_t kZero = 0;
+  in.rewrite_block_indptr = &kZero;  // no rewritten rows: indptr = [0]
+  if (!rewrite_rows.is_none() || !rewrite_block_indptr.is_none() ||
+      !rewrite_block_ids.is_none()) {
+    int64_t nwindptr = 0;
+    in.rewrite_rows = view<int32_t>(rewrite_rows, "rewrite_rows", &c.keep[8], &in.x);
+    in.rewrite_block_indptr = view<int32_t>(rewrite_block_indptr, "rewrite_block_indptr",
+                                            &c.keep[9], &nwindptr);
+    in.rewrite_block_ids = view<int32_t>(rewrite_block_ids, "rewrite_block_ids", &c.keep[10],
+                                         &in.y);
+    if (nwindptr != in.x + 1)
       throw py::value_error("rewrite_block_indptr must have len(rewrite_rows) + 1 = " +
-                            std::to_string(c.wrows.size() + 1) + " elements, got " +
-                            std::to_string(c.windptr.size()));
+                            std::to_string(in.x + 1) + " elements, got " +
+                            std::to_string(nwindptr));
   }
   return c;
+}
+
+// The same checks on a zos.step.DecodeStep (or any object with those attributes), its
+// arrays read by attribute name (names interned once: no Python argument tuple per step).
+CheckedStep check_step_object(const py::handle& step) {
+  static const char* const kFields[11] = {
+      "req_ids", "new_rows", "new_tokens", "new_positions", "new_block_indptr",
+      "new_block_ids", "append_rows", "append_block_ids", "rewrite_rows",
+      "rewrite_block_indptr", "rewrite_block_ids"};
+  static PyObject** names = [] {  // leaked on purpose: used until the interpreter exits
+    auto** n = new PyObject*[11];
+    for (int i = 0; i < 11; ++i) n[i] = PyUnicode_InternFromString(kFields[i]);
+    return n;
+  }();
+  py::object a[11];
+  for (int i = 0; i < 11; ++i) {
+    PyObject* v = PyObject_GetAttr(step.ptr(), names[i]);
+    if (v == nullptr) {
+      PyErr_Clear();
+      throw py::type_error(std::string("step must be a zos.DecodeStep (no attribute ") +
+                           kFields[i] + "), got " + std::string(py::str(py::type::of(step))));
+    }
+    a[i] = py::reinterpret_steal<py::object>(v);
+  }
+  return check_step(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], a[8], a[9], a[10]);
+}
+
+int64_t pack_checked(zos::StepPacker& self, const CheckedStep& c, const py::handle& out_obj,
+                     int32_t seq) {
+  auto out = checked<int32_t>(out_obj, "out", true);
+  py::gil_scoped_release release;
+  return self.pack(c.in, static_cast<int32_t*>(out.mutable_data()), out.size(), seq);
 }
 
 int64_t pack(zos::StepPacker& self, const py::handle& req_ids, const py::handle& new_rows,
@@ -144,31 +178,36 @@ int64_t pack(zos::StepPacker& self, const py::handle& req_ids, const py::handle&
                                    new_block_indptr, new_block_ids, append_rows,
                                    append_block_ids, rewrite_rows, rewrite_block_indptr,
                                    rewrite_block_ids);
-  auto out = checked<int32_t>(out_obj, "out", true);
-  const zos::StepInput in = c.input();
-  py::gil_scoped_release release;
-  return self.pack(in, static_cast<int32_t*>(out.mutable_data()), out.size(), seq);
+  return pack_checked(self, c, out_obj, seq);
+}
+
+int64_t pack_step(zos::StepPacker& self, const py::handle& step, const py::handle& out_obj,
+                  int32_t seq) {
+  return pack_checked(self, check_step_object(step), out_obj, seq);
 }
 
 // One call per step on the mapped path: acquire the next ring slot (fences), pack into
 // it, commit it. On a throw from the packer the slot is not committed.
 int64_t stage_into_ring(zos::StepPacker& self, zos::MappedRing& ring, uint64_t stream,
-                        int32_t seq, const py::handle& req_ids, const py::handle& new_rows,
-                        const py::handle& new_tokens, const py::handle& new_positions,
-                        const py::handle& new_block_indptr, const py::handle& new_block_ids,
-                        const py::handle& append_rows, const py::handle& append_block_ids,
-                        const py::handle& rewrite_rows, const py::handle& rewrite_block_indptr,
-                        const py::handle& rewrite_block_ids) {
-  const CheckedStep c = check_step(req_ids, new_rows, new_tokens, new_positions,
-                                   new_block_indptr, new_block_ids, append_rows,
-                                   append_block_ids, rewrite_rows, rewrite_block_indptr,
-                                   rewrite_block_ids);
-  const zos::StepInput in = c.input();
+                        int32_t seq, const py::handle& step) {
+  const CheckedStep c = check_step_object(step);
   py::gil_scoped_release release;
   const int slot = ring.acquire(stream);
   int32_t* out = reinterpret_cast<int32_t*>(ring.host_ptr()) + slot * ring.slot_words();
-  const int64_t words = self.pack(in, out, ring.slot_words(), seq);
+  const int64_t words = self.pack(c.in, out, ring.slot_words(), seq);
   ring.commit();
+  return words;
+}
+
+// One call per step on the copy path: wait for the next pinned buffer's previous copy, pack
+// into it, enqueue its H2D copy and fence. On a throw from the packer nothing is enqueued.
+int64_t stage_upload(zos::StepPacker& self, zos::PinnedUpload& up, uint64_t stream,
+                     int32_t seq, const py::handle& step) {
+  const CheckedStep c = check_step_object(step);
+  py::gil_scoped_release release;
+  const int k = up.acquire();
+  const int64_t words = self.pack(c.in, up.host_buffer(k), up.capacity() / 4, seq);
+  up.submit(k, 4 * words, stream);
   return words;
 }
 
@@ -254,17 +293,23 @@ Raises ValueError on any inconsistency
 when null_block is 0 and 0 otherwise, a position
 not covered by the row's blocks, beyond max_num_blocks_per_req * block_size, more than
 max_num_reqs rows, record larger than ``out``); TypeError on wrong dtypes.)doc")
+      .def("pack_step", &pack_step, py::arg("step"), py::arg("out"), py::arg("seq") = 0,
+           R"doc(``pack`` of a :class:`zos.DecodeStep` (its arrays read by attribute name, the
+rewritten rows included): the same checks, record and errors, and a TypeError naming the
+missing attribute when ``step`` is not a DecodeStep.)doc")
       .def("stage_into_ring", &stage_into_ring, py::arg("ring"), py::arg("stream"),
-           py::arg("seq"), py::arg("req_ids"), py::arg("new_rows"), py::arg("new_tokens"),
-           py::arg("new_positions"), py::arg("new_block_indptr"), py::arg("new_block_ids"),
-           py::arg("append_rows"), py::arg("append_block_ids"),
-           py::arg("rewrite_rows") = py::none(), py::arg("rewrite_block_indptr") = py::none(),
-           py::arg("rewrite_block_ids") = py::none(),
-           R"doc(``pack`` into the next slot of a :class:`MappedRing`, in one call (no GIL).
+           py::arg("seq"), py::arg("step"),
+           R"doc(``pack_step`` into the next slot of a :class:`MappedRing`, in one call (no GIL).
 
 ``ring.acquire(stream)`` (the slot staged last gets its fence on ``stream``; wait for the
 next slot's fence), ``pack`` into that slot with ``seq``, ``ring.commit()``; returns the
 record's words. Raises as ``pack`` (the slot is then neither written nor committed).)doc")
+      .def("stage_upload", &stage_upload, py::arg("upload"), py::arg("stream"),
+           py::arg("seq"), py::arg("step"),
+           R"doc(``pack_step`` into the next pinned buffer of a :class:`PinnedUpload` and enqueue
+its H2D copy on ``stream``, in one call (no GIL): ``upload.acquire()`` (wait for that
+buffer's previous copy), ``pack`` with ``seq``, ``upload.submit``; returns the record's
+words. Raises as ``pack`` (nothing is then enqueued).)doc")
       .def("apply_accepted", &apply_accepted, py::arg("accepted"), py::arg("steps_ago"),
            R"doc(Exact accepted counts of an earlier step (speculative decoding, q > 1).
 

@@ -30,6 +30,9 @@ class PinnedUpload {
   void submit(int k, int64_t nbytes, uint64_t stream);
   // Waits until both buffers' copies are done (before the pinned buffers are freed).
   void synchronize();
+  // Pinned buffer k (0 or 1), as int32 words, and the bytes each buffer holds.
+  int32_t* host_buffer(int k) const { return reinterpret_cast<int32_t*>(src_[k]); }
+  int64_t capacity() const { return capacity_; }
 
  private:
   uint64_t dst_;

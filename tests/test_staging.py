@@ -407,3 +407,24 @@ def test_record_larger_than_out():
         pack(p, step, capacity=25)
     view, _ = pack(p, step, capacity=26)  # nothing was committed by the failed call
     assert view.prev_reqs == 0 and view.row_src.tolist() == [-1, -1]
+
+
+def test_pack_step_reads_a_decode_step_like_pack():
+    """``pack_step`` (the DecodeStep's arrays read by name) writes ``pack``'s record, rewritten
+    rows included; an object that is not a DecodeStep gets a TypeError naming the attribute,
+    and a refused step leaves ``out`` unchanged."""
+    steps = [DecodeStep.build([7, 8], {0: (11, 3, [5]), 1: (12, 4, [6, 9])}),
+             DecodeStep.build([8, 7], appends=[(1, 10)], rewrites={0: [6, 11]})]
+    by_arrays, by_step = small_packer(), small_packer()
+    for step in steps:
+        want = pack(by_arrays, step)[1]
+        out = np.full(256, -7, np.int32)
+        words = by_step.pack_step(step, out)
+        assert out[:words].tolist() == want.tolist()
+    with pytest.raises(TypeError, match="no attribute req_ids"):
+        by_step.pack_step(object(), out)
+    bad = DecodeStep.build([8, 8])
+    before = out.copy()
+    with pytest.raises(ValueError, match="appears twice"):
+        by_step.pack_step(bad, out)
+    assert (out == before).all()

@@ -5,6 +5,8 @@ neither visited nor listed), the sparse record builds the same buffers as the de
 both backends, and the ring's slots, fences and device-side step counter hold with up to K
 steps in flight: on the CPU a simulated stream defers every build and fence until the host
 waits for one, so a slot rewritten too early would show in the metadata."""
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -345,18 +347,15 @@ def test_native_ring_stage_into_ring():
     elapsed = torch.zeros(1, dtype=torch.int64, device="cuda")
     gpu_busy(200_000, elapsed)  # 0.2 s: the fences recorded below stay pending
     for n, step in enumerate(steps):
-        words = p.stage_into_ring(ring, stream, n + 1, *(
-            getattr(step, f) for f in ("req_ids", "new_rows", "new_tokens", "new_positions",
-                                       "new_block_indptr", "new_block_ids", "append_rows",
-                                       "append_block_ids")))
+        words = p.stage_into_ring(ring, stream, n + 1, step)
         assert words == pack(ref, step, out)
         out[staging.SEQ] = n + 1
         assert slots[n % 2, :words].tolist() == out[:words].tolist()
         if n == 0:
             before = slots.copy()
             with pytest.raises(ValueError, match="appears twice"):
-                p.stage_into_ring(ring, stream, 9, np.array([5, 5], np.int64), *(
-                    np.zeros(k, np.int32) for k in (0, 0, 0, 1, 0, 0, 0)))
+                p.stage_into_ring(ring, stream, 9, dataclasses.replace(
+                    step, req_ids=np.array([5, 5], np.int64)))
             assert (slots == before).all()
     assert ring.waits == 1  # the third step's slot was read by the stalled first step
     ring.synchronize()

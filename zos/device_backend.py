@@ -187,31 +187,23 @@ class DeviceMetadataBackend(MetadataBackend):
         rejects a call (the packer is then reset: the next step must be all new rows).
         """
         plan = self.plan(step.num_reqs, min_padded_size)
-        args = (step.req_ids, step.new_rows, step.new_tokens, step.new_positions,
-                step.new_block_indptr, step.new_block_ids, step.append_rows,
-                step.append_block_ids)
-        rw = dict(rewrite_rows=step.rewrite_rows, rewrite_block_indptr=step.rewrite_block_indptr,
-                  rewrite_block_ids=step.rewrite_block_ids)
         if plan.padded_size == 0:  # no build reads it: keep the SEQ chain for the next one
-            self.packer.pack(*args, self._discard, **rw)
+            self.packer.pack_step(step, self._discard)
             self.last_upload_bytes = 0
             return plan
         seq = (self._seq + 1) & SEQ_MASK
-        ring, up = self._ring, self._upload
         try:
             if self._native_ring is not None:  # fences, pack and commit in one native call
                 words = self.packer.stage_into_ring(self._native_ring, self._stream_handle, seq,
-                                                    *args, **rw)
-            elif ring is not None:
-                words = self.packer.pack(*args, ring.acquire(self._stream_handle), seq, **rw)
-                ring.commit()
-            else:
-                k = up.acquire() if up is not None else 0
-                words = self.packer.pack(*args, self._pinned_np[k], seq, **rw)
-                if up is not None:
-                    up.submit(k, 4 * words, self._stream_handle)
-                else:
-                    self.buffers.staging[:words].copy_(self._pinned[0][:words])
+                                                    step)
+            elif self._upload is not None:  # fence, pack and H2D copy in one native call
+                words = self.packer.stage_upload(self._upload, self._stream_handle, seq, step)
+            elif self._ring is not None:  # CPU: the ring's fences are complete at once
+                words = self.packer.pack_step(step, self._ring.acquire(self._stream_handle), seq)
+                self._ring.commit()
+            else:  # CPU copy path: a plain tensor copy
+                words = self.packer.pack_step(step, self._pinned_np[0], seq)
+                self.buffers.staging[:words].copy_(self._pinned[0][:words])
         except RuntimeError:
             self.packer.reset()  # the device may not get this step: start over from new rows
             raise

@@ -209,10 +209,7 @@ class HostMetadataBackend(MetadataBackend):
             self._accepted[:prev].copy_(b.accepted[:prev])  # synchronous read-back
             self.accepted_wait_seconds += time.perf_counter() - t0
             self.packer.apply_accepted(self._accepted_np[:prev], 0)
-        self.packer.pack(step.req_ids, step.new_rows, step.new_tokens, step.new_positions,
-                         step.new_block_indptr, step.new_block_ids, step.append_rows,
-                         step.append_block_ids, self._record, 0, step.rewrite_rows,
-                         step.rewrite_block_indptr, step.rewrite_block_ids)
+        self.packer.pack_step(step, self._record)
         plan = self.plan(step.num_reqs, min_padded_size)
         if prev and not self.input_ids_from_device:
             self._sampled[:prev].copy_(b.sampled[:prev])  # synchronous read-back
