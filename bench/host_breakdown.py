@@ -44,6 +44,7 @@ from zos import (  # noqa: E402
     StepPacker,
     staging,
 )
+from zos._C import PinnedUpload  # noqa: E402
 from zos.staging_ring import StagingRing  # noqa: E402
 
 from workload import SteadyWorkload  # noqa: E402
@@ -108,7 +109,7 @@ def breakdown(n, mode, steps):
         "pack alone (C++)": statistics.median(t_pack[1:]) / 1e3,
         "rows visited by pack": statistics.median(visited[1:]),
         "record bytes": 4 * statistics.median(words[1:]),
-        "graph replay alone": med_us(be._graphs[n].replay),
+        "graph replay alone": med_us(be.prep_graphs[n].replay),
         "floor: pack of an empty step (call + checks)": med_us(
             lambda: floor_packer.pack(empty.req_ids, empty.new_rows, empty.new_tokens,
                                       empty.new_positions, empty.new_block_indptr,
@@ -125,9 +126,14 @@ def breakdown(n, mode, steps):
         ring.synchronize()
         fences = row["ring fences alone (record + query)"]
     else:
-        up, nbytes = be._upload, 4 * staging.total_words(0, 0, 0)
+        nbytes = 4 * staging.total_words(0, 0, 0)  # a second upload on the same stream
+        dst = torch.zeros(nbytes // 4, dtype=torch.int32, device=bufs.device)
+        src = [torch.zeros(nbytes // 4, dtype=torch.int32, pin_memory=True) for _ in range(2)]
+        up = PinnedUpload(dst.data_ptr(), src[0].data_ptr(), src[1].data_ptr(), nbytes,
+                          bufs.device.index or 0)
         row["upload alone (copy + fence)"] = med_us(lambda: up.submit(up.acquire(), nbytes,
                                                                       handle))
+        up.synchronize()
         fences = row["upload alone (copy + fence)"]
     row["python in stage (stage - pack - fences)"] = row["stage"] - row["pack alone (C++)"] - fences
     row["step (stage + build + metadata)"] = (row["stage"] + row["build (graph replay)"]
