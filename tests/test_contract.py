@@ -35,6 +35,9 @@ OUTSIDE = sorted([*(ROOT / "zos" / "serving").rglob("*.py"),
                   *(ROOT / "zos" / "integrations").rglob("*.py"),
                   *(ROOT / "bench").glob("*.py")])
 FORBIDDEN_PUBLIC = {"packer"}  # public on the backend, but not part of the contract
+BS, W, NUM_BLOCKS, VOCAB, SIZES = 4, 6, 400, 1000, (8, 16, 24)
+FIELDS = ("input_ids", "positions", "slot_mapping", "seq_lens", "query_start_loc",
+          "block_table", "counts")
 
 
 def private_names(sources) -> set[str]:
@@ -165,11 +168,11 @@ class FakeCuda:
         return self.capturing
 
 
-def make_order():
+def make_order(wait_for_stage=True):
     log, joins = [], []
     cuda = FakeCuda(log)
     order = BuildOrder(FakeStream(1), lambda built, staged: joins.append((built, staged)),
-                       cuda=cuda)
+                       wait_for_stage=wait_for_stage, cuda=cuda)
     return order, cuda, log, joins
 
 
@@ -179,8 +182,9 @@ def test_events_exist_before_any_build():
     assert log == [("record", "staged", 1), ("record", "built", 1)] and joins == []
 
 
-def test_build_on_the_backend_stream_needs_no_event():
-    order, cuda, log, joins = make_order()
+@pytest.mark.parametrize("wait_for_stage", [False, True])
+def test_build_on_the_backend_stream_needs_no_event(wait_for_stage):
+    order, cuda, log, joins = make_order(wait_for_stage)
     del log[:]
     for _ in range(3):
         s = order.before_build()
@@ -189,8 +193,8 @@ def test_build_on_the_backend_stream_needs_no_event():
 
 
 @pytest.mark.parametrize("capturing", [False, True])
-def test_build_off_the_stream_waits_for_the_stage_and_marks_its_end(capturing):
-    order, cuda, log, joins = make_order()
+def test_copy_path_build_off_the_stream_waits_for_the_stage_and_marks_its_end(capturing):
+    order, cuda, log, joins = make_order(wait_for_stage=True)
     del log[:]
     cuda.current, cuda.capturing = FakeStream(7), capturing
     s = order.before_build()
@@ -205,6 +209,24 @@ def test_build_off_the_stream_waits_for_the_stage_and_marks_its_end(capturing):
     assert order.off_stream_builds == 2
 
 
+@pytest.mark.parametrize("capturing", [False, True])
+def test_mapped_path_build_off_the_stream_marks_its_end(capturing):
+    # The record is in host memory: only the first eager build off the stream waits (for
+    # everything on the backend's stream, e.g. the reset); each build marks its end, which
+    # the stage waits for (natively; ``staged`` is not recorded by the stage: handle 0).
+    order, cuda, log, joins = make_order(wait_for_stage=False)
+    del log[:]
+    cuda.current, cuda.capturing = FakeStream(7), capturing
+    s = order.before_build()
+    order.after_build(s)
+    assert joins == [(order.built.cuda_event, 0)]
+    first = [] if capturing else [("record", "staged", 1), ("wait", "staged", 7)]
+    assert log == first + [("record", "built", 7)]
+    del log[:]
+    order.after_build(order.before_build())
+    assert log == [("record", "built", 7)] and len(joins) == 1
+
+
 def test_capture_on_the_backend_stream_still_orders_the_replay():
     # A graph captured on the backend's own stream may be replayed on any stream.
     order, cuda, log, joins = make_order()
@@ -217,12 +239,39 @@ def test_capture_on_the_backend_stream_still_orders_the_replay():
 
 def test_new_stream_is_followed():
     order, cuda, log, joins = make_order()
-    order.stream = FakeStream(5)
-    del log[:]
+    order.stream = FakeStream(5)  # ``built`` keeps its record: the next stage waits for it
+    assert log == [("record", "staged", 1), ("record", "built", 1)]
     cuda.current = FakeStream(5)
-    assert order.before_build() is None and log == []
+    assert order.before_build() is None and len(log) == 2
     cuda.current = FakeStream(1)
     assert order.before_build() is not None
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_backend_build_goes_through_the_ordering(seed, monkeypatch):
+    # The device backend's build on a CPU, with the ordering of a CUDA backend whose builds
+    # run on another stream: each build waits for its stage and marks its end, around the
+    # prep kernels, and the metadata is still the per-request truth.
+    gen = TraceGen(seed, max_num_reqs=24, block_size=BS, max_blocks=W, num_kv_blocks=NUM_BLOCKS,
+                   vocab=VOCAB)
+    be = DeviceMetadataBackend(DecodeBuffers(24, W, BS), num_kv_blocks=NUM_BLOCKS,
+                               vocab_size=VOCAB)
+    order, cuda, log, joins = make_order()
+    cuda.current = FakeStream(9)
+    monkeypatch.setattr(be, "_order", order)
+    assert be.build_order is order
+    builds = 0
+    for _ in range(12):
+        step, rows = gen.next_step()
+        del log[:]
+        md = be.prepare(step)
+        builds += 1
+        for f in FIELDS:
+            want = expected(rows, md.padded_size, block_size=BS, max_blocks=W)[f]
+            assert getattr(md, f).numpy().tolist() == want.tolist(), f
+        assert log[-2:] == [("wait", "staged", 9), ("record", "built", 9)]  # copy path
+        be.buffers.sampled[: len(rows)] = torch.from_numpy(gen.sampled(rows))
+    assert len(joins) == 1 and order.off_stream_builds == builds
 
 
 def test_cpu_backend_builds_without_ordering():
@@ -236,16 +285,19 @@ def test_cpu_backend_builds_without_ordering():
 # ---- build ordering on CUDA --------------------------------------------------------------------
 
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-BS, W, NUM_BLOCKS, VOCAB, SIZES = 4, 6, 400, 1000, (8, 16, 24)
 
 
 def _build_elsewhere(seed, *, staging, graphs, schedule):
-    """A seeded trace whose builds run on a second stream the runner never orders against the
-    backend's (``schedule``: "side" every step, "alternate" the backend's stream and the side
-    stream in turn, so the ordering turns on mid-run), each delayed on the GPU so that a
-    missing order would read a record not yet staged or let the next stage overwrite one
-    still read. With ``graphs`` the builds are captured (on torch's capture stream) and
-    replayed on those streams. Every step's metadata must equal the per-request truth."""
+    """A seeded trace whose builds run on a second stream that the runner never orders against
+    the backend's stream (``schedule``: "side" every step; "alternate" the backend's stream and
+    the side stream in turn, so the ordering turns on mid-run). The runner orders only its own
+    kernels, as the contract asks: a build after the previous step's sampler (a wait enqueued
+    after the stage, so it does not order the stage's work). Each build's stream lags (a GPU
+    sleep before it), and every third stage's stream lags too, with no host sync in the run:
+    without the backend's events a build would read a record not yet copied, or the next
+    stage overwrite a record a build still reads. With ``graphs`` the builds are captured (on
+    torch's capture stream) and replayed on those streams. Every step's metadata must equal the
+    per-request truth."""
     gen = TraceGen(seed, max_num_reqs=24, block_size=BS, max_blocks=W, num_kv_blocks=NUM_BLOCKS,
                    vocab=VOCAB)
     bufs = DecodeBuffers(24, W, BS, device="cuda")
@@ -261,13 +313,20 @@ def _build_elsewhere(seed, *, staging, graphs, schedule):
             captured[s] = torch.cuda.CUDAGraph()
             with torch.cuda.graph(captured[s]):
                 be.build(s)
+    snaps, wants, keep = [], [], []
+    prev = be.stream
     for k in range(40):
         step, rows = gen.next_step()
+        if k % 3 == 0:
+            with torch.cuda.stream(be.stream):
+                torch.cuda._sleep(200_000)  # the stage's copy lands late
         plan = be.stage(step)
         size = plan.padded_size
         if graphs and size:  # a step of padded size 0 runs no prep (no graph either)
             size = next(s for s in SIZES if s >= size)
         on = side if schedule == "side" or k % 2 else be.stream
+        if on != prev:
+            on.wait_stream(prev)  # the runner's own order: this build after the last sampler
         with torch.cuda.stream(on):
             torch.cuda._sleep(100_000)  # the build's stream lags behind the host
             if graphs and size:
@@ -275,18 +334,17 @@ def _build_elsewhere(seed, *, staging, graphs, schedule):
             else:
                 be.build(size)
             md = bufs.views(plan.num_reqs, size)
-            snap = {f: getattr(md, f).clone() for f in FIELDS}
-            toks = torch.from_numpy(gen.sampled(rows)).to("cuda", non_blocking=False)
-            bufs.sampled[: len(rows)].copy_(toks)  # the sampler, on the build's stream
-        want = expected(rows, size, block_size=BS, max_blocks=W)
-        side.synchronize()
+            snaps.append({f: getattr(md, f).clone() for f in FIELDS})
+            wants.append(expected(rows, size, block_size=BS, max_blocks=W))
+            toks = torch.from_numpy(gen.sampled(rows)).pin_memory()
+            keep.append(toks)
+            bufs.sampled[: len(rows)].copy_(toks, non_blocking=True)  # the sampler
+        prev = on
+    torch.cuda.synchronize()
+    for k, (snap, want) in enumerate(zip(snaps, wants)):
         for f in FIELDS:
             assert snap[f].cpu().numpy().tolist() == want[f].tolist(), (k, f)
     return be
-
-
-FIELDS = ("input_ids", "positions", "slot_mapping", "seq_lens", "query_start_loc",
-          "block_table", "counts")
 
 
 @cuda_only

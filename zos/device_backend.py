@@ -144,7 +144,8 @@ class DeviceMetadataBackend(MetadataBackend):
         self._order = None  # on CUDA: builds off ``stream`` are ordered by events
         if cuda:
             native = self._native_ring if self._native_ring is not None else self._upload
-            self._order = BuildOrder(self._stream, native.set_build_events)
+            self._order = BuildOrder(self._stream, native.set_build_events,
+                                     wait_for_stage=self._upload is not None)
 
     def _checked_stream(self, stream: torch.cuda.Stream | None) -> torch.cuda.Stream | None:
         """``stream`` if it can carry the upload to these buffers, else TypeError/ValueError."""
@@ -282,6 +283,9 @@ class DeviceMetadataBackend(MetadataBackend):
                     sync.synchronize()
                 except RuntimeError:  # at interpreter exit the CUDA context may be gone
                     pass
+        native = getattr(self, "_native_ring", None) or getattr(self, "_upload", None)
+        if getattr(self, "_order", None) is not None and native is not None:
+            native.set_build_events(0, 0)  # the events die with this backend, the ring may not
 
     def _capture(self, buckets: BucketTable) -> None:
         # Warm-up finds no new record (every ring slot and the staging header hold N = 0,
