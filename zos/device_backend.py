@@ -52,9 +52,9 @@ class DeviceMetadataBackend(MetadataBackend):
     ``build`` (the prep kernels or their graph) runs on the stream current at the time of the
     call. On ``stream`` (the usual case: both are the default stream) stream order is enough;
     on any other stream, or captured into a CUDA graph that a runner replays on any stream,
-    the backend orders it itself (``zos.stream_order.BuildOrder``: the build waits for the
-    stage, the next stage for the build, by two events), so no runner can read a record
-    before it is staged or overwrite one a build still reads. Change the stream with the
+    the backend orders it itself (``zos.stream_order.BuildOrder``: the next stage waits for
+    the build, and on the copy path the build for the stage's copy, by events), so no runner
+    can read a record before it is staged or overwrite one a build still reads. Change the stream with the
     ``stream`` property, between steps. docs/ZOS.md, "The runner contract".
 
     Args:
@@ -188,8 +188,8 @@ class DeviceMetadataBackend(MetadataBackend):
         "mapped": the slot's fence is waited for only when the host is K steps ahead; the
         fence of the slot staged last is recorded on ``self.stream`` here, after that step's
         build. "copy": the H2D copy is issued natively on ``self.stream`` (its handle cached:
-        no stream query per step). A build off that stream is ordered by events (see the
-        class docstring). A step of padded size 0 runs no prep kernel: its record is validated
+        no stream query per step). ``build`` must run on that stream (see the class
+        docstring). A step of padded size 0 runs no prep kernel: its record is validated
         and committed to the packer's mirror but written nowhere the device reads. Raises
         ValueError/TypeError (from the packer) before anything is written to the device, to
         a slot the device reads or to the packer's mirror, and RuntimeError if the driver
@@ -248,9 +248,9 @@ class DeviceMetadataBackend(MetadataBackend):
         Enqueued on the current stream, whichever it is: on ``self.stream`` stream order
         places it after the stage and before the next one; on any other stream, or under
         capture (the graph may be replayed on any stream), the backend orders it by events
-        (``zos.stream_order``: the stream, or the graph, waits for the stage; the next stage
-        waits for the build). The step's consumers (model, sampler) run on the build's stream
-        or are ordered after it by the runner.
+        (``zos.stream_order``: the next stage waits for the build; on the copy path the
+        build's stream, or the graph, waits for the stage's copy). The step's consumers
+        (model, sampler) run on the build's stream or are ordered after it by the runner.
         """
         order = self._order
         joined = order.before_build() if order is not None else None
