@@ -53,9 +53,10 @@ class DeviceMetadataBackend(MetadataBackend):
     call. On ``stream`` (the usual case: both are the default stream) stream order is enough;
     on any other stream, or captured into a CUDA graph that a runner replays on any stream,
     the backend orders it itself (``zos.stream_order.BuildOrder``: the next stage waits for
-    the build, and on the copy path the build for the stage's copy, by events), so no runner
-    can read a record before it is staged or overwrite one a build still reads. Change the stream with the
-    ``stream`` property, between steps. docs/ZOS.md, "The runner contract".
+    the build, and on the copy path the build for the stage's copy, by events), so no
+    runner can read a record before it is staged or overwrite one a build still reads.
+    Change the stream with the ``stream`` property, between steps. docs/ZOS.md, "The runner
+    contract".
 
     Args:
         buffers, num_kv_blocks, vocab_size, buckets: see :class:`MetadataBackend`.
