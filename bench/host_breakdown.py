@@ -12,7 +12,10 @@ DeviceMetadataBackend with prep graphs, for both ways the record reaches the pre
   cuEventRecord of the slot staged last and one cuEventQuery of the next slot);
 - upload alone (copy path): one native H2D copy and its fence;
 - graph replay alone: ``torch.cuda.CUDAGraph.replay`` of the bucket's prep graph;
-- Python: stage less pack and fences (argument passing, plan lookup, owner check).
+- Python: stage less pack and fences (argument passing, plan lookup, owner check);
+- the stage once the build ordering is on (``zos.stream_order``: after one build off the
+  backend's stream, as any captured build turns it on; the second half of the steps): one
+  more native event wait per stage (mapped), or a wait and a record (copy).
 
 Each part's floor is the cheapest call that does it, measured too: for the pack, the pack of
 an empty step (the call and its argument checks) and a memcpy of the record's words; for the
@@ -44,6 +47,7 @@ from zos import (  # noqa: E402
     StepPacker,
     staging,
 )
+from zos._C import PinnedUpload  # noqa: E402
 from zos.staging_ring import StagingRing  # noqa: E402
 
 from workload import SteadyWorkload, workload_steps  # noqa: E402
@@ -74,17 +78,29 @@ def breakdown(n, mode, steps):
                                buckets=BucketTable([n]), capture_prep=True, staging=mode)
     seq = steps["steps"]  # prebuilt: each part is timed with the host's caches warm
     be.prepare(seq[0])
-    t_stage, t_build, t_meta = [], [], []
-    for s in seq[1:]:
+    t_stage, t_build, t_meta, t_ordered = [], [], [], []
+    half = len(seq) // 2
+    side = torch.cuda.Stream()
+    for i, s in enumerate(seq[1:], 1):
         t0 = time.perf_counter_ns()
         plan = be.stage(s)
         t1 = time.perf_counter_ns()
+        if i == half:  # one build off the backend's stream: its stages order builds from now
+            side.wait_stream(be.stream)
+            with torch.cuda.stream(side):
+                be.build(plan.padded_size)
+            be.stream.wait_stream(side)
+            continue
         be.build(plan.padded_size)
         t2 = time.perf_counter_ns()
         be.metadata(plan)
+        if i > half:
+            t_ordered.append(t1 - t0)
+            continue
         t_stage.append(t1 - t0)
         t_build.append(t2 - t1)
         t_meta.append(time.perf_counter_ns() - t2)
+    assert be.build_order.joined
     torch.cuda.synchronize()
     packer = StepPacker(n, 1, wl_bs, wl_w, kv, 32000)
     out = np.zeros(staging.capacity_words(n, wl_w), np.int32)
@@ -101,12 +117,14 @@ def breakdown(n, mode, steps):
     src, dst = out[:words_med].copy(), np.zeros(words_med, np.int32)
     row = {
         "stage": statistics.median(t_stage) / 1e3,
+        "stage, build ordering on (after a build off its stream)": statistics.median(
+            t_ordered) / 1e3,
         "build (graph replay)": statistics.median(t_build) / 1e3,
         "metadata (memoised views)": statistics.median(t_meta) / 1e3,
         "pack alone (C++)": statistics.median(t_pack[1:]) / 1e3,
         "rows visited by pack": statistics.median(visited[1:]),
         "record bytes": 4 * statistics.median(words[1:]),
-        "graph replay alone": med_us(be._graphs[n].replay),
+        "graph replay alone": med_us(be.prep_graphs[n].replay),
         "floor: pack of an empty step (call + checks)": med_us(
             lambda: floor_packer.pack_step(empty, out)),
         "floor: memcpy of the record's words": med_us(lambda: np.copyto(dst, src)),
@@ -120,9 +138,14 @@ def breakdown(n, mode, steps):
         ring.synchronize()
         fences = row["ring fences alone (record + query)"]
     else:
-        up, nbytes = be._upload, 4 * staging.total_words(0, 0, 0)
+        nbytes = 4 * staging.total_words(0, 0, 0)  # a second upload on the same stream
+        dst = torch.zeros(nbytes // 4, dtype=torch.int32, device=bufs.device)
+        src = [torch.zeros(nbytes // 4, dtype=torch.int32, pin_memory=True) for _ in range(2)]
+        up = PinnedUpload(dst.data_ptr(), src[0].data_ptr(), src[1].data_ptr(), nbytes,
+                          bufs.device.index or 0)
         row["upload alone (copy + fence)"] = med_us(lambda: up.submit(up.acquire(), nbytes,
                                                                       handle))
+        up.synchronize()
         fences = row["upload alone (copy + fence)"]
     row["python in stage (stage - pack - fences)"] = row["stage"] - row["pack alone (C++)"] - fences
     row["step (stage + build + metadata)"] = (row["stage"] + row["build (graph replay)"]

@@ -359,7 +359,13 @@ Raises:
            "Raises ValueError if k is not the acquired buffer or nbytes exceeds capacity.")
       .def("synchronize", &zos::PinnedUpload::synchronize,
            py::call_guard<py::gil_scoped_release>(),
-           "Wait until both buffers' copies are done (before freeing the pinned buffers).");
+           "Wait until both buffers' copies are done (before freeing the pinned buffers).")
+      .def("set_build_events", &zos::PinnedUpload::set_build_events, py::arg("built"),
+           py::arg("staged"),
+           "Build ordering (docs/ZOS.md, \"The runner contract\"): from now on each submit makes "
+           "its stream wait for the CUevent ``built`` (recorded after each build that may run on "
+           "another stream) and records the CUevent ``staged`` on it, which such a build waits "
+           "for; raw handles, 0, 0 turns it off.");
 
   py::class_<zos::MappedRing>(m, "MappedRing",
                               R"doc(The zero-copy staging ring: records in mapped pinned host memory, one fence per slot.
@@ -389,6 +395,12 @@ Raises:
            "slot's fence is done; returns that slot.")
       .def("commit", &zos::MappedRing::commit,
            "The acquired slot holds a staged record: the next acquire fences it.")
+      .def("set_build_events", &zos::MappedRing::set_build_events, py::arg("built"),
+           py::arg("staged"),
+           "Build ordering (docs/ZOS.md, \"The runner contract\"): from now on each acquire makes "
+           "its stream wait for the CUevent ``built`` (recorded after each build that may run on "
+           "another stream) and records the CUevent ``staged`` on it, which such a build waits "
+           "for; raw handles, 0, 0 turns it off.")
       .def("synchronize", &zos::MappedRing::synchronize,
            py::call_guard<py::gil_scoped_release>(),
            "Fence the slot committed last and wait for every slot's fence.")

@@ -17,6 +17,7 @@ struct Driver {
   CUresult (*event_create)(void**, unsigned);
   CUresult (*event_destroy)(void*);
   CUresult (*event_record)(void*, void*);
+  CUresult (*stream_wait_event)(void*, void*, unsigned);
   CUresult (*event_synchronize)(void*);
   CUresult (*memcpy_htod_async)(uint64_t, const void*, size_t, void*);
   CUresult (*get_error_string)(CUresult, const char**);
@@ -45,6 +46,8 @@ const Driver& driver() {
     r.event_create = reinterpret_cast<decltype(r.event_create)>(sym("cuEventCreate"));
     r.event_destroy = reinterpret_cast<decltype(r.event_destroy)>(sym("cuEventDestroy_v2"));
     r.event_record = reinterpret_cast<decltype(r.event_record)>(sym("cuEventRecord"));
+    r.stream_wait_event =
+        reinterpret_cast<decltype(r.stream_wait_event)>(sym("cuStreamWaitEvent"));
     r.event_synchronize = reinterpret_cast<decltype(r.event_synchronize)>(sym("cuEventSynchronize"));
     r.memcpy_htod_async =
         reinterpret_cast<decltype(r.memcpy_htod_async)>(sym("cuMemcpyHtoDAsync_v2"));
@@ -122,6 +125,17 @@ constexpr unsigned kMemHostAllocPortable = 0x1;   // CU_MEMHOSTALLOC_PORTABLE
 constexpr unsigned kMemHostAllocDeviceMap = 0x2;  // CU_MEMHOSTALLOC_DEVICEMAP
 constexpr CUresult kErrorNotReady = 600;          // CUDA_ERROR_NOT_READY
 
+// The stream waits for the last build (recorded on whatever stream it ran), so what is
+// enqueued next on it (a fence, a copy) comes after that build.
+void wait_for_build(void* built, void* stream) {
+  if (built) check(driver().stream_wait_event(stream, built, 0), "cuStreamWaitEvent");
+}
+
+// Marks the end of a stage on its stream: a build on another stream waits for it.
+void mark_staged(void* staged, void* stream) {
+  if (staged) check(driver().event_record(staged, stream), "cuEventRecord");
+}
+
 }  // namespace
 
 PinnedUpload::PinnedUpload(uint64_t dst, uint64_t src0, uint64_t src1, int64_t capacity,
@@ -173,11 +187,18 @@ void PinnedUpload::submit(int k, int64_t nbytes, uint64_t stream) {
                                 std::to_string(capacity_) + "]");
   ContextScope scope(ctx_);
   void* s = reinterpret_cast<void*>(stream);
+  wait_for_build(built_, s);  // the copy overwrites the staging buffer the last build read
   check(driver().memcpy_htod_async(dst_, reinterpret_cast<const void*>(src_[k]),
                                    static_cast<size_t>(nbytes), s),
         "cuMemcpyHtoDAsync");
   check(driver().event_record(fence_[k], s), "cuEventRecord");
+  mark_staged(staged_, s);
   turn_ = 1 - k;
+}
+
+void PinnedUpload::set_build_events(uint64_t built, uint64_t staged) {
+  built_ = reinterpret_cast<void*>(built);
+  staged_ = reinterpret_cast<void*>(staged);
 }
 
 MappedRing::MappedRing(int64_t num_slots, int64_t slot_words, int64_t device)
@@ -225,10 +246,13 @@ MappedRing::~MappedRing() {
 int MappedRing::acquire(uint64_t stream) {
   ContextScope scope(ctx_);
   const Driver& d = driver();
+  void* s = reinterpret_cast<void*>(stream);
+  wait_for_build(built_, s);  // the fence below then covers the last build, wherever it ran
   if (pending_ >= 0) {
-    check(d.event_record(fence_[pending_], reinterpret_cast<void*>(stream)), "cuEventRecord");
+    check(d.event_record(fence_[pending_], s), "cuEventRecord");
     pending_ = -1;
   }
+  mark_staged(staged_, s);
   last_stream_ = stream;
   const CUresult rc = d.event_query(fence_[next_]);
   if (rc == kErrorNotReady) {
@@ -240,6 +264,11 @@ int MappedRing::acquire(uint64_t stream) {
   return next_;
 }
 
+void MappedRing::set_build_events(uint64_t built, uint64_t staged) {
+  built_ = reinterpret_cast<void*>(built);
+  staged_ = reinterpret_cast<void*>(staged);
+}
+
 void MappedRing::commit() {
   pending_ = next_;
   next_ = static_cast<int>((next_ + 1) % num_slots_);
@@ -249,6 +278,7 @@ void MappedRing::synchronize() {
   ContextScope scope(ctx_);
   const Driver& d = driver();
   if (pending_ >= 0) {
+    wait_for_build(built_, reinterpret_cast<void*>(last_stream_));
     check(d.event_record(fence_[pending_], reinterpret_cast<void*>(last_stream_)),
           "cuEventRecord");
     pending_ = -1;

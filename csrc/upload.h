@@ -33,6 +33,11 @@ class PinnedUpload {
   // Pinned buffer k (0 or 1), as int32 words, and the bytes each buffer holds.
   int32_t* host_buffer(int k) const { return reinterpret_cast<int32_t*>(src_[k]); }
   int64_t capacity() const { return capacity_; }
+  // Build ordering (docs/ZOS.md, "The runner contract"): from now on each submit makes its
+  // stream wait for `built` (a CUevent recorded after each build that may run on another
+  // stream) before the copy, and records `staged` after the copy, which such a build
+  // waits for. 0, 0 turns it off.
+  void set_build_events(uint64_t built, uint64_t staged);
 
  private:
   uint64_t dst_;
@@ -42,6 +47,8 @@ class PinnedUpload {
   int retained_ = -1;  // the device whose primary context ctx_ is (retained), else -1
   void* fence_[2] = {nullptr, nullptr};
   int turn_ = 0;
+  void* built_ = nullptr;
+  void* staged_ = nullptr;
 };
 
 // MappedRing: the zero-copy staging ring (docs/ZOS.md, "The staging record").
@@ -74,6 +81,11 @@ class MappedRing {
   // Fences the slot committed last on the stream of the last acquire and waits
   // for every slot's fence (before the memory is freed).
   void synchronize();
+  // Build ordering (docs/ZOS.md, "The runner contract"): from now on each acquire makes
+  // its stream wait for `built` (a CUevent recorded after each build that may run on
+  // another stream) before it records the fence, and records `staged` after it, which
+  // such a build waits for. 0, 0 turns it off.
+  void set_build_events(uint64_t built, uint64_t staged);
   uint64_t host_ptr() const { return reinterpret_cast<uint64_t>(host_); }
   uint64_t device_ptr() const { return device_; }
   int64_t num_slots() const { return num_slots_; }
@@ -90,6 +102,8 @@ class MappedRing {
   int next_ = 0, pending_ = -1;
   uint64_t last_stream_ = 0;
   int64_t waits_ = 0;
+  void* built_ = nullptr;
+  void* staged_ = nullptr;
 };
 
 }  // namespace zos

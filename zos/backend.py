@@ -31,14 +31,22 @@ class StepPlan:
 class MetadataBackend:
     """Base of the two backends: owns the step packer and the bucket choice.
 
-    A step is ``stage(step)`` (host work and upload, outside any graph) then
-    ``build(plan.padded_size)`` (device work; for the device backend capturable in
-    a CUDA graph, for the host backend nothing), or both at once with ``prepare``.
+    The runner contract (docs/ZOS.md, "The runner contract", lists what each call reads and
+    writes): a step is ``stage(step)`` (host work and upload, outside any graph) then
+    ``build(plan.padded_size)`` (device work; for the device backend capturable in a CUDA
+    graph together with the model), or both at once with ``prepare``; the model reads
+    ``metadata(plan)`` (or ``buffers.views(0, padded_size)`` inside a graph); the sampler
+    writes ``buffers.sampled[r]`` for rows r < ``buffers.counts[0]`` (and, with draft tokens,
+    the verifier ``buffers.accepted``); ``observe_accepted`` hands the packer the accepted
+    counts; ``reset()`` forgets the previous step between runs; ``prev_num_reqs`` says how
+    many rows the previous step had; ``stream`` is where the stage work goes. That is all a
+    runner needs: nothing else of a backend (its packer, its underscore attributes) is part
+    of the contract (``tests/test_contract.py`` checks our own runners).
 
     A backend takes its buffers over when it is built: it resets them (every row a
-    dummy row, no row state) and becomes ``buffers.owner``, so two backends built
-    one after the other over the same buffers never see each other's rows; the
-    earlier one refuses further steps.
+    dummy row, no row state, ``accepted`` 1 per row) and becomes ``buffers.owner``, so two
+    backends built one after the other over the same buffers never see each other's rows;
+    the earlier one refuses further steps.
 
     Args:
         buffers: the static device buffers this backend writes (reset here).
@@ -191,6 +199,23 @@ class MetadataBackend:
         """
         self.packer.apply_accepted(accepted, steps_ago)
 
+    @property
+    def prev_num_reqs(self) -> int:
+        """Request rows N of the step staged last (the rows a carried row of the next step can
+        come from); 0 before the first step, after a step of N = 0 and after :meth:`reset`."""
+        return self.packer.prev_num_reqs
+
+    @property
+    def stream(self):
+        """The ``torch.cuda.Stream`` that ``stage`` enqueues its device work on, or None: here
+        (the host-built backend) the stream current at each ``stage`` (its copies go there,
+        and ``build`` makes the stream current at the build wait for them), or no stream at
+        all (CPU buffers). The device backend overrides it."""
+        return None
+
     def reset(self) -> None:
-        """Forget the previous step (every row of the next step must be new)."""
+        """Forget the previous step, on the host: every row of the next step must be new (a
+        runner calls it between runs, or after a step that zos did not stage, such as a
+        prefill, so that the next step's rows come with their payloads). The buffers and the
+        device are not touched; the next step rewrites every row it covers."""
         self.packer.reset()

@@ -15,6 +15,7 @@ from zos.kernels import PrepState, launch_prep
 from zos.staging import HEADER_WORDS, SEQ_MASK
 from zos.staging_ring import StagingRing
 from zos.step import DecodeStep
+from zos.stream_order import BuildOrder
 
 STAGING_MODES = ("mapped", "copy")
 
@@ -45,15 +46,17 @@ class DeviceMetadataBackend(MetadataBackend):
     On a CPU both run the same kernels in Triton's interpreter; "mapped" reads the ring's
     CPU tensor directly, "copy" copies the record into ``buffers.staging``.
 
-    Streams: the upload is enqueued on one stream fixed here (``stream``; by default
-    the current stream of the buffers' device when the backend is built), whose raw
-    handle is cached so that ``stage`` costs no stream query per step. ``build`` (the prep
-    kernels or their graph) runs on the stream current at the time of the call; run it on
-    that same stream (the usual case: both are the default stream). On another stream it
-    must be ordered after the upload (``torch.cuda.current_stream().wait_stream(
-    backend.stream)``), and the next ``stage`` after it (``backend.stream.wait_stream(...)``):
-    prep reads the staging buffer that the next upload overwrites. Change the stream with
-    the ``stream`` property, between steps.
+    Streams: the stage work (the ring's fences, or the copy) is enqueued on one stream fixed
+    here (``stream``; by default the current stream of the buffers' device when the backend
+    is built), whose raw handle is cached so that ``stage`` costs no stream query per step.
+    ``build`` (the prep kernels or their graph) runs on the stream current at the time of the
+    call. On ``stream`` (the usual case: both are the default stream) stream order is enough;
+    on any other stream, or captured into a CUDA graph that a runner replays on any stream,
+    the backend orders it itself (``zos.stream_order.BuildOrder``: the next stage waits for
+    the build, and on the copy path the build for the stage's copy, by events), so no
+    runner can read a record before it is staged or overwrite one a build still reads.
+    Change the stream with the ``stream`` property, between steps. docs/ZOS.md, "The runner
+    contract".
 
     Args:
         buffers, num_kv_blocks, vocab_size, buckets: see :class:`MetadataBackend`.
@@ -139,6 +142,11 @@ class DeviceMetadataBackend(MetadataBackend):
             current = torch.cuda.current_stream(self._device_index)
             if current != self._stream:
                 self._stream.wait_stream(current)
+        self._order = None  # on CUDA: builds off ``stream`` are ordered by events
+        if cuda:
+            native = self._native_ring if self._native_ring is not None else self._upload
+            self._order = BuildOrder(self._stream, native.set_build_events,
+                                     wait_for_stage=self._upload is not None)
 
     def _checked_stream(self, stream: torch.cuda.Stream | None) -> torch.cuda.Stream | None:
         """``stream`` if it can carry the upload to these buffers, else TypeError/ValueError."""
@@ -172,6 +180,8 @@ class DeviceMetadataBackend(MetadataBackend):
             stream.wait_stream(self._stream)
         self._stream = stream
         self._stream_handle = stream.cuda_stream if stream is not None else 0
+        if self._order is not None:
+            self._order.stream = stream
 
     def _stage(self, step: DecodeStep, min_padded_size: int = 0) -> StepPlan:
         """Pack ``step`` into the next ring slot (or copy its record into ``buffers.staging``).
@@ -212,24 +222,47 @@ class DeviceMetadataBackend(MetadataBackend):
         return plan
 
     @property
+    def prep_graphs(self) -> dict[int, torch.cuda.CUDAGraph]:
+        """The prep graphs of ``capture_prep=True`` by padded size (a copy; empty otherwise).
+        ``build`` replays them; replaying one directly skips the build ordering (measurements
+        only)."""
+        return dict(self._graphs)
+
+    @property
     def captures_prep(self) -> bool:
         """Whether this backend replays prep graphs of its own (``capture_prep=True``)."""
         return bool(self._graphs)
 
     def build(self, padded_size: int) -> None:
-        """Rebuild token rows [0, padded_size) on the device (graph replay if captured).
+        """Rebuild token rows [0, padded_size) of the step staged last on the device, in
+        place (graph replay if captured); ``counts`` gets (N, N * q), rows past N become dummy
+        rows. Capturable in a CUDA graph (N is read from device memory).
 
-        Runs on the current stream, which must be ``self.stream`` or ordered after it (the
-        staged record is read from device memory).
+        Enqueued on the current stream, whichever it is: on ``self.stream`` stream order
+        places it after the stage and before the next one; on any other stream, or under
+        capture (the graph may be replayed on any stream), the backend orders it by events
+        (``zos.stream_order``: the next stage waits for the build; on the copy path the
+        build's stream, or the graph, waits for the stage's copy). The step's consumers
+        (model, sampler) run on the build's stream or are ordered after it by the runner.
         """
+        order = self._order
+        joined = order.before_build() if order is not None else None
         if padded_size == 0:  # an empty step: no rows, and no real row either
             self.buffers.counts.zero_()
-            return
-        graph = self._graphs.get(padded_size)
-        if graph is not None:
-            graph.replay()
         else:
-            launch_prep(self.buffers, padded_size, **self._prep_args)
+            graph = self._graphs.get(padded_size)
+            if graph is not None:
+                graph.replay()
+            else:
+                launch_prep(self.buffers, padded_size, **self._prep_args)
+        if joined is not None:
+            order.after_build(joined)
+
+    @property
+    def build_order(self) -> BuildOrder | None:
+        """The events that order builds off ``self.stream`` (``zos.stream_order``); None for
+        CPU buffers (no streams)."""
+        return self._order
 
     @property
     def ring(self) -> StagingRing | None:
@@ -243,6 +276,9 @@ class DeviceMetadataBackend(MetadataBackend):
                     sync.synchronize()
                 except RuntimeError:  # at interpreter exit the CUDA context may be gone
                     pass
+        native = getattr(self, "_native_ring", None) or getattr(self, "_upload", None)
+        if getattr(self, "_order", None) is not None and native is not None:
+            native.set_build_events(0, 0)  # the events die with this backend, the ring may not
 
     def _capture(self, buckets: BucketTable) -> None:
         # Warm-up finds no new record (every ring slot and the staging header hold N = 0,

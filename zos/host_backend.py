@@ -193,7 +193,11 @@ class HostMetadataBackend(MetadataBackend):
         self._scratch_pos = np.zeros(r, np.int32)
         self._scratch_nb = np.zeros(r, np.int32)
         self._scratch_bt = np.zeros((r, w), np.int32)
-        self._fence = torch.cuda.Event() if cuda else None
+        # Recorded after each stage's copies. External: a build captured into a graph waits for
+        # it at every replay (cudaEventWaitExternal). Recorded once now, so that it exists.
+        self._fence = torch.cuda.Event(external=True) if cuda else None
+        if cuda:
+            self._fence.record(torch.cuda.current_stream(b.device))
         self._np = {k: v.numpy() for k, v in self._h.items()}
         self._np.update(sampled=self._sampled.numpy(), bt_compact=self._bt_compact.numpy())
         self._take_over()
@@ -250,4 +254,9 @@ class HostMetadataBackend(MetadataBackend):
         return plan
 
     def build(self, padded_size: int) -> None:
-        """Nothing to do on the device: ``stage`` already enqueued the copies."""
+        """Nothing to compute: ``stage`` already enqueued the copies, on the stream current at
+        the stage. On CUDA the current stream waits for them here (an event wait; under
+        capture an event-wait node, so a graph replayed on any stream reads the copied
+        rows), so the step's consumers may run on another stream than the stage's."""
+        if self._fence is not None:
+            self._fence.wait(torch.cuda.current_stream(self.buffers.device))

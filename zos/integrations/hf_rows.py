@@ -109,7 +109,7 @@ class ZosDecodeRows:
         its rows are all new."""
         self.prev: dict = {}
         self.next_id = 0
-        self.backend.packer.reset()
+        self.backend.reset()
 
     def build_step(self, requests, prev_positions: dict | None) -> BuiltStep | None:
         """The step of a decode-only batch, or None (not decode-only, a request past the

@@ -125,7 +125,8 @@ class GraphRunner:
         self.graph_memory = {"allocated_bytes": 0, "reserved_bytes": 0}
         self._rows = torch.arange(b.max_num_reqs, dtype=torch.int32, device=b.device)
         self._nvtx = torch.cuda.is_available()
-        b.accepted.fill_(1)  # plain decode: every row accepts its one token
+        # Plain decode leaves ``accepted`` as the backend set it when it took the buffers
+        # over (1 per row); with ``spec`` the verifier writes it.
 
     # ---- capture ---------------------------------------------------------------------------
 
@@ -136,8 +137,8 @@ class GraphRunner:
         No-op (returns 0, no cache: every step eager) unless ``use_cuda_graph``, the buffers are
         on CUDA and the backend has buckets. Must run before the first decode step. Eager
         capture warms up and captures every bucket, which executes the body and re-applies the
-        staged record, so the record is reset to N = 0 first (every row a dummy row: no KV
-        write, no sampled write); it records ``capture_seconds`` and ``graph_memory`` (bytes of
+        staged record: before the first step that record is N = 0 (every row a dummy row: no
+        KV write, no sampled write); it records ``capture_seconds`` and ``graph_memory`` (bytes of
         torch.cuda.memory_allocated/reserved added). Lazy capture captures nothing here.
 
         Returns: the number of graphs captured.
@@ -150,14 +151,15 @@ class GraphRunner:
         b, buckets = self.buffers, self.backend.buckets
         if not (self.use_cuda_graph and b.device.type == "cuda" and buckets is not None):
             return 0
-        if self.backend.packer.prev_num_reqs or self.cache is not None:
+        if self.backend.prev_num_reqs or self.cache is not None:
             raise RuntimeError("capture() must run once, before the first decode step")
         capturer = CudaGraphCapturer(self._body)
         self.cache = GraphCache(capturer, budget_bytes=self.graph_memory_budget,
                                 release_pool=capturer.release_pool)
         if self.graph_capture == "lazy":
             return 0
-        b.reset()  # N = 0: warm-up and capture write dummy rows only
+        # No step staged yet: every row is a dummy row (the backend reset the buffers when it
+        # took them over), so warm-up and capture write dummy rows only.
         torch.cuda.synchronize()
         torch.cuda.empty_cache()  # torch.cuda.graph empties it too: a comparable baseline
         alloc0, res0 = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
