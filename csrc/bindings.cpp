@@ -69,7 +69,10 @@ int64_t compute_remap(const py::handle& prev_obj, const py::handle& curr_obj,
                        static_cast<int32_t*>(out.mutable_data()));
 }
 
-// The arrays of one DecodeStep, checked (dtype, 1-D, contiguous, matching lengths).
+// The arrays of one DecodeStep, checked (dtype, 1-D, contiguous, matching lengths): the
+// rules of this layer, what the native code needs to read the arrays at all. Each field's
+// own values (ints that fit) are DecodeStep's to check (zos/step.py), every rule on values
+// and on the previous step the packer's (packer.cpp); zos/step.py's docstring lists them.
 struct CheckedStep {
   py::array ids, rows, toks, pos, indptr, blks, arows, ablks;
   py::array wrows, windptr, wblks;  // rewritten rows: none when all three were None
@@ -209,7 +212,9 @@ Raises:
 Computes the remap to the previous step, validates the step against a mirror of
 the previous rows (request id, first position, block count), and writes the
 record into a caller-owned int32 buffer, normally a pinned tensor's numpy view.
-Raises ValueError (naming field, row, request and value) before writing anything.)doc")
+Raises ValueError (naming field, row, request and value) before writing anything.
+Which layer checks which rule of a step (DecodeStep, these bindings, the packer):
+the module docstring of zos.step.)doc")
       .def(py::init([](int64_t max_num_reqs, int64_t uniform_decode_query_len, int64_t block_size, int64_t max_num_blocks_per_req,
                        int64_t num_kv_blocks, int64_t vocab_size, int64_t null_block) {
              return zos::StepPacker(

@@ -71,13 +71,11 @@ def launch_prep(buffers: DecodeBuffers, padded_size: int, *, ring: Any = None,
     host value of N or of the slot: capturable once per bucket.
 
     Raises:
-        ValueError: padded_size not a multiple of q in [1, max_num_reqs * q].
+        TypeError, ValueError: padded_size not an int multiple of q in [1, max_num_reqs * q]
+            (``DecodeBuffers.check_padded_size``); nothing is launched.
     """
     b, q = buffers, buffers.uniform_decode_query_len
-    if (not isinstance(padded_size, int) or not 1 <= padded_size <= b.max_num_reqs * q
-            or padded_size % q):
-        raise ValueError(f"padded_size must be a multiple of uniform_decode_query_len={q} in "
-                         f"[1, {b.max_num_reqs * q}], got {padded_size!r}")
+    padded_size = b.check_padded_size(padded_size)
     if ring is None:
         ring, num_slots, slot_words = b.staging, 1, b.staging.numel()
     st = state if state is not None else _default_state(b)
