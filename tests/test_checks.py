@@ -9,11 +9,13 @@ from zos import BucketTable, DecodeBuffers, DeviceMetadataBackend, PaddingProfil
 from zos._checks import NotAnIntError, check_int
 from zos.graphs import GraphCache
 from zos.serving.kv_blocks import BlockAllocator
+from zos.serving.models.attention import allocate_kv_cache
+from zos.serving.models.parallel import shard_state_dict, tp_config
 from zos.spec import SpecDecoder
 from zos.staging_ring import StagingRing
 from zos.step import DecodeStep
 
-from helpers import DEVICE
+from helpers import DEVICE, LLAMA_CFG
 
 R, W, BS = 5, 4, 4  # buffers: max_num_reqs, max_num_blocks_per_req, block_size
 
@@ -154,6 +156,10 @@ INT_ARGS = [
     ("max_n", 1, lambda v: _spec(max_n=v)),
     ("num_blocks", 1, lambda v: PaddingProfile.transformers(v, 8)),
     ("block_size", 1, lambda v: PaddingProfile.transformers(9, v)),
+    ("allocate_kv_cache: num_kv_blocks", 1,
+     lambda v: allocate_kv_cache(1, v, 4, 1, 8, torch.float32, "cpu")),
+    ("world_size", 1, lambda v: tp_config(LLAMA_CFG, v)),
+    ("rank", 0, lambda v: shard_state_dict({}, LLAMA_CFG, v, 2)),
 ]
 
 

@@ -32,6 +32,7 @@ def tp_config(config: LlamaConfig, world_size: int) -> LlamaConfig:
     """The per-rank shape of ``config`` under tensor parallelism of ``world_size`` ranks.
 
     Raises:
+        TypeError: ``world_size`` not an int (``zos._checks.check_int``).
         ValueError: ``world_size`` < 1, or ``num_attention_heads``, ``num_key_value_heads``
             or ``intermediate_size`` not divisible by it (KV heads are split, never
             replicated, here).
@@ -54,6 +55,7 @@ def shard_state_dict(state_dict: dict, config: LlamaConfig, rank: int,
     module docstring says). Tensors keep dtype and device; slices are contiguous copies.
 
     Raises:
+        TypeError: ``rank`` or ``world_size`` not an int.
         ValueError: a shape :func:`tp_config` refuses, or ``rank`` outside [0, world_size).
         KeyError: a weight missing from ``state_dict``.
     """
