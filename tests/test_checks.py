@@ -11,6 +11,7 @@ from zos.graphs import GraphCache
 from zos.serving.kv_blocks import BlockAllocator
 from zos.serving.models.attention import allocate_kv_cache
 from zos.serving.models.parallel import shard_state_dict, tp_config
+from zos.serving.shm_ring import StepRing
 from zos.spec import SpecDecoder
 from zos.staging_ring import StagingRing
 from zos.step import DecodeStep
@@ -160,6 +161,8 @@ INT_ARGS = [
      lambda v: allocate_kv_cache(1, v, 4, 1, 8, torch.float32, "cpu")),
     ("world_size", 1, lambda v: tp_config(LLAMA_CFG, v)),
     ("rank", 0, lambda v: shard_state_dict({}, LLAMA_CFG, v, 2)),
+    ("num_slots", 1, lambda v: StepRing.create(2, v, 64)),  # refused before a file is made
+    ("slot_bytes", 0, lambda v: StepRing.create(2, 2, v)),
 ]
 
 
