@@ -19,6 +19,9 @@ L_* of a listed row and R_* of a row record, SEQ_MASK), each taken from zos.stag
 re-exports csrc/staging.h through zos._C.staging: the one source of the layout, pinned by
 tests/test_staging.py. No offset is a literal here and none is a launch argument; the ring
 state's word offsets and IN_PLACE are defined here, for the kernels and zos.kernels alike.
+Triton reads ``tl.constexpr`` globals when it compiles a kernel (and in its interpreter), keys
+its cache on their values and refuses a value changed after compiling; another layout is
+another copy of this module (tests/test_staging.py imports one with a shuffled layout).
 
 Ordering (docs/ZOS.md, "Ordering inside the prep kernels"). Between programs: within one
 launch no program reads a word that another program of the same launch writes.
