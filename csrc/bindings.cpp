@@ -70,7 +70,10 @@ int64_t compute_remap(const py::handle& prev_obj, const py::handle& curr_obj,
 }
 
 // The arrays of one DecodeStep, checked (dtype, 1-D, contiguous, matching lengths): the
-// StepInput over them and the references that keep them alive while the GIL is released.
+// rules of this layer, what the native code needs to read the arrays at all; the StepInput
+// over them and the references that keep them alive while the GIL is released. Each field's
+// own values (ints that fit) are DecodeStep's to check (zos/step.py), every rule on values
+// and on the previous step the packer's (packer.cpp); zos/step.py's docstring lists them.
 struct CheckedStep {
   py::object keep[11];  // the arrays (the last three: none when there are no rewritten rows)
   zos::StepInput in{};
@@ -248,7 +251,9 @@ Raises:
 Computes the remap to the previous step, validates the step against a mirror of
 the previous rows (request id, first position, block count), and writes the
 record into a caller-owned int32 buffer, normally a pinned tensor's numpy view.
-Raises ValueError (naming field, row, request and value) before writing anything.)doc")
+Raises ValueError (naming field, row, request and value) before writing anything.
+Which layer checks which rule of a step (DecodeStep, these bindings, the packer):
+the module docstring of zos.step.)doc")
       .def(py::init([](int64_t max_num_reqs, int64_t uniform_decode_query_len, int64_t block_size, int64_t max_num_blocks_per_req,
                        int64_t num_kv_blocks, int64_t vocab_size, int64_t null_block) {
              return zos::StepPacker(

@@ -112,9 +112,9 @@ def test_profile_must_fit_the_pool():
     bufs = DecodeBuffers(4, 4, 8, device=DEVICE, padding=PaddingProfile("x", pad_slot_id=8 * 3))
     with pytest.raises(ValueError, match="pad_slot_id 24 lies in block 3"):
         HostMetadataBackend(bufs, num_kv_blocks=9, vocab_size=VOCAB)
-    with pytest.raises(ValueError, match="num_blocks must be positive, got 0"):
+    with pytest.raises(ValueError, match="num_blocks: must be >= 1, got 0"):
         PaddingProfile.transformers(0, 8)
-    with pytest.raises(TypeError, match="block_size must be an int, got 8.0"):
+    with pytest.raises(TypeError, match="block_size: expected an int, got 8.0"):
         PaddingProfile.transformers(9, 8.0)
     bufs = DecodeBuffers(4, 4, 8, device=DEVICE, padding=PaddingProfile.transformers(9, 8))
     dev = DeviceMetadataBackend(bufs, num_kv_blocks=9, vocab_size=VOCAB)

@@ -1,8 +1,12 @@
 """The staging record: Python mirror, C++ header and packer output agree; the kernels and
 the numba builder read it only through the exported layout; the upload's stream."""
+import importlib.util
+import inspect
+
 import numpy as np
 import pytest
 import torch
+import triton.language as tl
 
 from zos import (
     _C,
@@ -16,6 +20,7 @@ from zos import (
     staging,
 )
 from zos.step import DecodeStep
+from zos.triton_kernels import prep
 
 from helpers import DEVICE, TraceGen, expected
 
@@ -66,17 +71,51 @@ def test_capacity(r, w):
     assert DecodeBuffers(r, w, 16).staging.numel() == want
 
 
-def test_kernels_get_every_offset():
-    """The launcher passes each offset the prep kernels read from zos.staging."""
-    common = dict(SEQ_MASK=staging.SEQ_MASK, HEADER_WORDS=staging.HEADER_WORDS,
-                  LIST_WORDS=staging.LIST_WORDS, **kernels.RING_STATE)
-    assert kernels._SCATTER_LAYOUT == dict(
-        common, NUM_REQS_WORD=staging.NUM_REQS, NUM_RECORDS_WORD=staging.NUM_RECORDS,
-        NUM_LISTED_WORD=staging.NUM_LISTED, SEQ_WORD=staging.SEQ,
-        **{f: getattr(staging, f) for f in LIST_FIELDS})
-    assert kernels._REBUILD_LAYOUT == dict(
-        common, RECORD_WORDS=staging.RECORD_WORDS, IN_PLACE=kernels.IN_PLACE,
-        **{f: getattr(staging, f) for f in RECORD_FIELDS})
+# The prep kernels' constexpr globals (zos.triton_kernels.prep) and the zos.staging name each
+# one takes its value from.
+KERNEL_LAYOUT = dict(HEADER_WORDS="HEADER_WORDS", LIST_WORDS="LIST_WORDS",
+                     RECORD_WORDS="RECORD_WORDS", NUM_REQS_WORD="NUM_REQS",
+                     NUM_RECORDS_WORD="NUM_RECORDS", NUM_LISTED_WORD="NUM_LISTED",
+                     SEQ_WORD="SEQ", SEQ_MASK="SEQ_MASK",
+                     **{f: f for f in LIST_FIELDS + RECORD_FIELDS})
+RING_STATE_NAMES = ("CTR", "LAST", "CUR", "CUR_N", "CUR_M", "CUR_C", "CUR_SEQ")
+
+
+def test_kernels_read_every_offset_from_zos_staging():
+    """Each offset the prep kernels read is a constexpr global of their module, taken from
+    zos.staging; the ring state's words are distinct, fit in RING_STATE_WORDS, and the host
+    sees the values the kernels read."""
+    for name, source in KERNEL_LAYOUT.items():
+        value = getattr(prep, name)
+        assert isinstance(value, tl.constexpr), name
+        assert value.value == getattr(staging, source) == LAYOUT[source], name
+    words = [getattr(prep, name).value for name in RING_STATE_NAMES]
+    assert sorted(words) == list(range(len(RING_STATE_NAMES)))
+    assert len(words) <= kernels.RING_STATE_WORDS == prep.RING_STATE_WORDS
+    assert kernels.RING_STATE == dict(zip(RING_STATE_NAMES, words))
+    assert kernels.IN_PLACE == prep.IN_PLACE.value < -1  # not a row, not "new" (-1)
+
+
+@pytest.mark.parametrize("kernel", ["scatter_listed_rows", "rebuild_rows", "select_slot"])
+def test_kernel_signatures_take_no_layout(kernel):
+    """No layout constant is a kernel parameter: the signatures keep the real arguments."""
+    params = set(inspect.signature(getattr(prep, kernel).fn).parameters)
+    layout_names = set(KERNEL_LAYOUT) | set(RING_STATE_NAMES) | {"IN_PLACE"}
+    assert not params & layout_names
+
+
+def load_prep_kernels(layout, monkeypatch):
+    """A second copy of zos.triton_kernels.prep whose constexpr globals take ``layout``'s
+    values (zos.staging is patched while the copy is imported, and restored after)."""
+    with monkeypatch.context() as m:
+        for name, value in layout.items():
+            m.setattr(staging, name, value)
+        spec = importlib.util.spec_from_file_location("zos_prep_relayout", prep.__file__)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    assert module.HEADER_WORDS.value == layout["HEADER_WORDS"]
+    assert staging.HEADER_WORDS == LAYOUT["HEADER_WORDS"]
+    return module
 
 
 def small_packer():
@@ -242,8 +281,9 @@ def test_record_words_by_name():
 
 
 # Another layout: header fields shuffled into a longer header, listed-row and record fields
-# shuffled into longer entries, every unused word holding GARBAGE. The prep kernels and the
-# numba builder given it as their offsets must produce the same metadata: they hard-code none.
+# shuffled into longer entries, every unused word holding GARBAGE. The prep kernels (a copy of
+# their module imported with it as zos.staging) and the numba builder given it as their
+# offsets must produce the same metadata: they hard-code none.
 SHUFFLED = dict(HEADER_WORDS=11, LIST_WORDS=4, RECORD_WORDS=7,
                 NUM_REQS=9, NUM_TOKENS=3, PREV_REQS=0, NUM_RECORDS=6, NUM_BLOCK_IDS=2, Q=10,
                 NUM_LISTED=4, SEQ=8, L_ROW=2, L_SRC=0, L_REC=3,
@@ -271,15 +311,9 @@ def relayout(record, to):
 
 def test_kernels_and_host_builder_follow_the_layout(monkeypatch):
     bs, w, num_kv_blocks, vocab, r = 4, 6, 400, 1000, 16
-    common = dict(SEQ_MASK=staging.SEQ_MASK, HEADER_WORDS=SHUFFLED["HEADER_WORDS"],
-                  LIST_WORDS=SHUFFLED["LIST_WORDS"], **kernels.RING_STATE)
-    monkeypatch.setattr(kernels, "_SCATTER_LAYOUT", dict(
-        common, NUM_REQS_WORD=SHUFFLED["NUM_REQS"], NUM_RECORDS_WORD=SHUFFLED["NUM_RECORDS"],
-        NUM_LISTED_WORD=SHUFFLED["NUM_LISTED"], SEQ_WORD=SHUFFLED["SEQ"],
-        **{f: SHUFFLED[f] for f in LIST_FIELDS}))
-    monkeypatch.setattr(kernels, "_REBUILD_LAYOUT", dict(
-        common, RECORD_WORDS=SHUFFLED["RECORD_WORDS"], IN_PLACE=kernels.IN_PLACE,
-        **{f: SHUFFLED[f] for f in RECORD_FIELDS}))
+    shuffled = load_prep_kernels(SHUFFLED, monkeypatch)
+    for kernel in ("scatter_listed_rows", "rebuild_rows"):
+        monkeypatch.setattr(kernels, kernel, getattr(shuffled, kernel))
     build_rows = host_backend._make_build_rows(
         *(SHUFFLED[k] for k in ("HEADER_WORDS", "RECORD_WORDS", "NUM_REQS", "NUM_RECORDS",
                                 *RECORD_FIELDS, "NUM_LISTED", "LIST_WORDS", *LIST_FIELDS)))

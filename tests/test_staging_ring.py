@@ -320,11 +320,11 @@ def test_ring_build_without_new_record_and_empty_step():
 
 
 def test_ring_arguments():
-    with pytest.raises(ValueError, match="ring_slots must be a positive int"):
+    with pytest.raises(ValueError, match="ring_slots: must be >= 1, got 0"):
         make("mapped", ring_slots=0)
     with pytest.raises(ValueError, match="staging must be one of"):
         make("zero-copy")
-    with pytest.raises(ValueError, match="num_slots must be a positive int"):
+    with pytest.raises(ValueError, match="num_slots: must be >= 1, got 0"):
         StagingRing(0, 8, torch.device("cpu"))
 
 

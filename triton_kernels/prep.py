@@ -6,13 +6,22 @@ serves every N <= bucket. The record (layout: csrc/staging.h) lies in a ring of
 ``num_slots`` records of ``slot_words`` words at ``ring_ptr``: pinned host memory mapped
 into the device's address space (zero-copy), or the device buffer the copy path uploads
 into (one slot). Which slot a build reads is decided on the device from the ring state
-(int32 words at CTR, LAST, CUR and CUR_N, CUR_M, CUR_C, CUR_SEQ, offsets given as
-constexprs by the launcher):
+(int32 words at CTR, LAST, CUR and CUR_N, CUR_M, CUR_C, CUR_SEQ: the constexpr globals
+below):
 ``select_slot`` takes slot CTR when its record's SEQ is the one after LAST (a record staged
 since the last build), else the slot of the last record applied (a build repeated without
 a new record, as warm-up does, applies that record again). ``rebuild_rows`` program 0
-advances CTR and LAST when the record was new. No offset is written here: the launcher
-passes every one as a constexpr from zos.staging (and zos.kernels for the ring state).
+advances CTR and LAST when the record was new.
+
+Layout. The kernels read every word offset of the record as a module-level ``tl.constexpr``
+global of this module (HEADER_WORDS, LIST_WORDS, RECORD_WORDS, the header words, the fields
+L_* of a listed row and R_* of a row record, SEQ_MASK), each taken from zos.staging, which
+re-exports csrc/staging.h through zos._C.staging: the one source of the layout, pinned by
+tests/test_staging.py. No offset is a literal here and none is a launch argument; the ring
+state's word offsets and IN_PLACE are defined here, for the kernels and zos.kernels alike.
+Triton reads ``tl.constexpr`` globals when it compiles a kernel (and in its interpreter), keys
+its cache on their values and refuses a value changed after compiling; another layout is
+another copy of this module (tests/test_staging.py imports one with a shuffled layout).
 
 Ordering (docs/ZOS.md, "Ordering inside the prep kernels"). Between programs: within one
 launch no program reads a word that another program of the same launch writes.
@@ -38,11 +47,44 @@ zos/spec.py writes them after prep, inside the same graph.
 import triton
 import triton.language as tl
 
+from zos import staging as _layout
+
+# The staging record (csrc/staging.h via zos.staging), in int32 words.
+HEADER_WORDS = tl.constexpr(_layout.HEADER_WORDS)  # header length
+LIST_WORDS = tl.constexpr(_layout.LIST_WORDS)  # one listed-row entry (row, src, rec)
+RECORD_WORDS = tl.constexpr(_layout.RECORD_WORDS)  # one row record
+NUM_REQS_WORD = tl.constexpr(_layout.NUM_REQS)  # header: N
+NUM_RECORDS_WORD = tl.constexpr(_layout.NUM_RECORDS)  # header: M
+NUM_LISTED_WORD = tl.constexpr(_layout.NUM_LISTED)  # header: C
+SEQ_WORD = tl.constexpr(_layout.SEQ)  # header: the record's sequence number
+SEQ_MASK = tl.constexpr(_layout.SEQ_MASK)  # the SEQ after s is (s + 1) & SEQ_MASK
+L_ROW = tl.constexpr(_layout.L_ROW)  # listed row: its row
+L_SRC = tl.constexpr(_layout.L_SRC)  # listed row: previous row, -1 for a new row
+L_REC = tl.constexpr(_layout.L_REC)  # listed row: its record, or -1
+R_TOKEN = tl.constexpr(_layout.R_TOKEN)  # row record: input token (new rows)
+R_POS0 = tl.constexpr(_layout.R_POS0)  # row record: its position (new rows)
+R_COL0 = tl.constexpr(_layout.R_COL0)  # row record: first block-table column written
+R_COUNT = tl.constexpr(_layout.R_COUNT)  # row record: block ids written
+R_BLK_OFF = tl.constexpr(_layout.R_BLK_OFF)  # row record: its first block id in BLOCKS
+
+# The ring state the prep kernels keep on the device (zos.kernels.PrepState.state), int32
+# words: CTR, the slot the next new record lies in; LAST, the SEQ of the last record applied;
+# CUR, the slot the running build applies, and CUR_N, CUR_M, CUR_C, CUR_SEQ, its record's N,
+# M, C and SEQ (written by launch 1, read by launch 2 from device memory).
+CTR = tl.constexpr(0)
+LAST = tl.constexpr(1)
+CUR = tl.constexpr(2)
+CUR_N = tl.constexpr(3)
+CUR_M = tl.constexpr(4)
+CUR_C = tl.constexpr(5)
+CUR_SEQ = tl.constexpr(6)
+RING_STATE_WORDS = 8  # words of the ring state (one spare)
+# A row-map entry (src, rec) that launch 1 did not write: the row holds its request in place.
+IN_PLACE = tl.constexpr(-2)
+
 
 @triton.jit
-def select_slot(ring_ptr, state_ptr, num_slots, slot_words,
-                SEQ_WORD: tl.constexpr, SEQ_MASK: tl.constexpr,
-                CTR: tl.constexpr, LAST: tl.constexpr):
+def select_slot(ring_ptr, state_ptr, num_slots, slot_words):
     """The ring slot this build applies: CTR if its record is the one after LAST, else the
     slot applied last (int32 scalar)."""
     ctr = tl.load(state_ptr + CTR)
@@ -56,14 +98,7 @@ def select_slot(ring_ptr, state_ptr, num_slots, slot_words,
 def scatter_listed_rows(ring_ptr, state_ptr, num_slots, slot_words, row_map_ptr,
                         positions_ptr, num_blocks_per_row_ptr, block_table_ptr,
                         scratch_pos_ptr, scratch_nb_ptr, scratch_bt_ptr, bt_stride,
-                        Q: tl.constexpr, BLOCK_W: tl.constexpr,
-                        NUM_REQS_WORD: tl.constexpr, NUM_RECORDS_WORD: tl.constexpr,
-                        NUM_LISTED_WORD: tl.constexpr, SEQ_WORD: tl.constexpr,
-                        SEQ_MASK: tl.constexpr, HEADER_WORDS: tl.constexpr,
-                        LIST_WORDS: tl.constexpr, L_ROW: tl.constexpr, L_SRC: tl.constexpr,
-                        L_REC: tl.constexpr, CTR: tl.constexpr, LAST: tl.constexpr,
-                        CUR: tl.constexpr, CUR_N: tl.constexpr, CUR_M: tl.constexpr,
-                        CUR_C: tl.constexpr, CUR_SEQ: tl.constexpr):
+                        Q: tl.constexpr, BLOCK_W: tl.constexpr):
     """Launch 1: program k applies listed entry k of the record (k < C).
 
     Reads the ring state (int32 [4]) and the record (int32; C at word NUM_LISTED_WORD,
@@ -77,8 +112,7 @@ def scatter_listed_rows(ring_ptr, state_ptr, num_slots, slot_words, row_map_ptr,
     header from device memory).
     """
     k = tl.program_id(0)
-    slot = select_slot(ring_ptr, state_ptr, num_slots, slot_words, SEQ_WORD, SEQ_MASK,
-                       CTR, LAST)
+    slot = select_slot(ring_ptr, state_ptr, num_slots, slot_words)
     rec = ring_ptr + slot.to(tl.int64) * slot_words
     c = tl.load(rec + NUM_LISTED_WORD)
     if k == 0:
@@ -112,19 +146,12 @@ def rebuild_rows(ring_ptr, state_ptr, num_slots, slot_words, row_map_ptr,
                  block_table_ptr, num_blocks_per_row_ptr, counts_ptr,
                  scratch_pos_ptr, scratch_nb_ptr, scratch_bt_ptr,
                  bt_stride, block_size, pad_token_id, seq_len_fill, pad_slot_id, null_block,
-                 Q: tl.constexpr, Q_POW2: tl.constexpr, BLOCK_W: tl.constexpr,
-                 SEQ_MASK: tl.constexpr, HEADER_WORDS: tl.constexpr,
-                 LIST_WORDS: tl.constexpr, RECORD_WORDS: tl.constexpr,
-                 R_TOKEN: tl.constexpr, R_POS0: tl.constexpr, R_COL0: tl.constexpr,
-                 R_COUNT: tl.constexpr, R_BLK_OFF: tl.constexpr,
-                 CTR: tl.constexpr, LAST: tl.constexpr, CUR: tl.constexpr,
-                 CUR_N: tl.constexpr, CUR_M: tl.constexpr, CUR_C: tl.constexpr,
-                 CUR_SEQ: tl.constexpr, IN_PLACE: tl.constexpr):
+                 Q: tl.constexpr, Q_POW2: tl.constexpr, BLOCK_W: tl.constexpr):
     """Launch 2: rebuild request row r (one program per row of the padded step) in place.
 
     Reads the ring state's CUR (the slot launch 1 chose) and CUR_N, CUR_M, CUR_C, CUR_SEQ
     (that record's header, copied by launch 1), the record's listed rows' records and block
-    ids (offsets as constexprs: see the module docstring), row r's row-map entry (IN_PLACE,
+    ids (offsets: the constexpr globals of this module), row r's row-map entry (IN_PLACE,
     -1 unless launch 1 wrote it: then (src, rec)) and resets it, sampled int32 [R] and accepted
     int32 [R] (the previous step's, indexed by its rows), the scratch of launch 1, and row
     r's own previous state. Writes input_ids int32 [R*Q] (token row r*Q), positions int32

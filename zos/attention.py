@@ -14,6 +14,7 @@ import math
 import torch
 import triton
 
+from zos._checks import check_int
 from zos.triton_kernels.paged_attention import (
     paged_decode_reduce_kernel,
     paged_decode_split_kernel,
@@ -159,11 +160,7 @@ def _check_common(where, cache_name, cache, q, block_table, seq_lens, scale, out
     if not math.isfinite(scale) or scale <= 0:
         raise ValueError(f"{where}: scale must be finite and > 0, got {scale}")
     if num_splits is not None:
-        if isinstance(num_splits, bool) or not isinstance(num_splits, int):
-            raise TypeError(f"{where}: num_splits must be an int or None, got "
-                            f"{type(num_splits).__name__}")
-        if num_splits < 1:
-            raise ValueError(f"{where}: num_splits must be >= 1, got {num_splits}")
+        check_int(f"{where}: num_splits", num_splits)
 
 
 def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,

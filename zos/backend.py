@@ -118,14 +118,7 @@ class MetadataBackend:
     def check_min_padded_size(self, min_padded_size) -> None:
         """ValueError/TypeError unless ``min_padded_size`` is an int in
         [0, max_num_reqs * q] divisible by q (the rows the buffers hold)."""
-        q = self.buffers.uniform_decode_query_len
-        top = self.buffers.max_num_reqs * q
-        if not isinstance(min_padded_size, int) or isinstance(min_padded_size, bool):
-            raise TypeError(f"min_padded_size must be an int, got "
-                            f"{type(min_padded_size).__name__}")
-        if not 0 <= min_padded_size <= top or min_padded_size % q:
-            raise ValueError(f"min_padded_size must be a multiple of uniform_decode_query_len="
-                             f"{q} in [0, {top}], got {min_padded_size}")
+        self.buffers.check_padded_size(min_padded_size, field="min_padded_size", lo=0)
 
     def stage(self, step: DecodeStep, *, min_padded_size: int = 0) -> StepPlan:
         """Host work of one step, outside any graph: validate and pack ``step`` (C++) and

@@ -19,7 +19,6 @@ numpy + stdlib only (no torch) so this can run on the host at start-up.
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -120,9 +119,8 @@ class BucketTable:
 
     def padded_size(self, n: int) -> int | None:
         """Smallest size >= n (token rows) in O(1), or None above ``max_size`` (run eagerly).
-        ValueError unless n is an int >= 1."""
-        if isinstance(n, (bool, np.bool_)) or not isinstance(n, numbers.Integral) or n < 1:
-            raise ValueError(f"n: expected an int >= 1, got {n!r}")
+        TypeError unless n is an int, ValueError unless >= 1 (``check_int``)."""
+        n = check_int("n", n)
         return int(self._lut[n]) if n <= self.max_size else None
 
     def padded_sizes(self, ns) -> np.ndarray:

@@ -16,6 +16,7 @@ from typing import ClassVar
 import torch
 
 from zos import staging
+from zos._checks import check_int
 
 PAD_SLOT_ID = -1  # vLLM's pad slot (PaddingProfile.VLLM.pad_slot_id)
 NULL_BLOCK = 0  # vLLM's null block (PaddingProfile.VLLM.null_block)
@@ -57,10 +58,10 @@ class PaddingProfile:
     SGLANG: ClassVar[PaddingProfile]
 
     def __post_init__(self) -> None:
+        # The one check of the pad values: DecodeBuffers' overrides come through here too.
         for f in ("pad_slot_id", "null_block", "seq_len_fill", "pad_token_id"):
-            v = getattr(self, f)
-            if not isinstance(v, int) or isinstance(v, bool):
-                raise TypeError(f"PaddingProfile {self.name!r}: {f} must be an int, got {v!r}")
+            v = check_int(f"PaddingProfile {self.name!r}: {f}", getattr(self, f), lo=None)
+            object.__setattr__(self, f, v)
         if self.pad_slot_id < -1:
             raise ValueError(f"PaddingProfile {self.name!r}: pad_slot_id must be -1 (no KV "
                              f"write) or a slot >= 0, got {self.pad_slot_id}")
@@ -80,12 +81,9 @@ class PaddingProfile:
         (ids 0 .. num_blocks - 1 handed out): the null block is its read trash, block
         ``num_blocks`` (zeroed, never written), and the pad slot its write trash,
         ``(num_blocks + 1) * block_size`` (``cache.write_trash_index``, never read). No block it
-        hands out is reserved. TypeError unless both are ints, ValueError unless positive."""
-        for f, v in (("num_blocks", num_blocks), ("block_size", block_size)):
-            if not isinstance(v, int) or isinstance(v, bool):
-                raise TypeError(f"PaddingProfile.transformers: {f} must be an int, got {v!r}")
-            if v <= 0:
-                raise ValueError(f"PaddingProfile.transformers: {f} must be positive, got {v}")
+        hands out is reserved. TypeError unless both are ints, ValueError unless >= 1."""
+        num_blocks = check_int("PaddingProfile.transformers: num_blocks", num_blocks)
+        block_size = check_int("PaddingProfile.transformers: block_size", block_size)
         return PaddingProfile("transformers", pad_slot_id=(num_blocks + 1) * block_size,
                               null_block=num_blocks)
 
@@ -170,30 +168,27 @@ class DecodeBuffers:
             ``buffers.padding`` is it with ``pad_token_id`` / ``seq_len_fill`` applied.
 
     Raises:
-        ValueError: a size is not positive, or seq_len_fill < 1 / pad_token_id < 0.
-        TypeError: padding is not a PaddingProfile.
+        TypeError: a size is not an int, padding is not a PaddingProfile, or
+            pad_token_id / seq_len_fill is not an int (checked by PaddingProfile).
+        ValueError: a size is < 1, or seq_len_fill < 1 / pad_token_id < 0 (checked by
+            PaddingProfile, the one place the pad values are checked).
     """
 
     def __init__(self, max_num_reqs: int, max_num_blocks_per_req: int, block_size: int, *,
                  uniform_decode_query_len: int = 1, device: torch.device | str = "cpu",
                  pad_token_id: int | None = None, seq_len_fill: int | None = None,
                  padding: PaddingProfile | None = None) -> None:
-        q = uniform_decode_query_len
-        for name, v in (("max_num_reqs", max_num_reqs),
-                        ("max_num_blocks_per_req", max_num_blocks_per_req),
-                        ("block_size", block_size), ("uniform_decode_query_len", q)):
-            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        max_num_reqs = check_int("max_num_reqs", max_num_reqs)
+        max_num_blocks_per_req = check_int("max_num_blocks_per_req", max_num_blocks_per_req)
+        block_size = check_int("block_size", block_size)
+        q = check_int("uniform_decode_query_len", uniform_decode_query_len)
         if padding is None:
             padding = PaddingProfile.VLLM
         if not isinstance(padding, PaddingProfile):
             raise TypeError(f"padding must be a PaddingProfile, got {type(padding).__name__}")
-        if seq_len_fill is not None and seq_len_fill < 1:
-            raise ValueError(f"seq_len_fill must be >= 1 (0 has produced NaN), got {seq_len_fill}")
-        if pad_token_id is not None and pad_token_id < 0:
-            raise ValueError(f"pad_token_id must be a valid token id, got {pad_token_id}")
         overrides = {k: v for k, v in (("pad_token_id", pad_token_id),
                                        ("seq_len_fill", seq_len_fill)) if v is not None}
+        # replace() runs PaddingProfile's checks on the overrides (the one check of them).
         padding = replace(padding, **overrides) if overrides else padding
         self.padding = padding
         pad_token_id, seq_len_fill = padding.pad_token_id, padding.seq_len_fill
@@ -239,13 +234,33 @@ class DecodeBuffers:
         self.accepted.fill_(1)
         self.staging[: staging.HEADER_WORDS].zero_()
 
+    def check_padded_size(self, padded_size, *, field: str = "padded_size",
+                          lo: int = 1) -> int:
+        """``padded_size`` as a Python int, checked: a padded size in token rows that these
+        buffers hold, a multiple of q = ``uniform_decode_query_len`` in
+        [lo, max_num_reqs * q]. The one check of a padded size: every public call that takes
+        one from its caller (``views``, ``zos.kernels.launch_prep`` and so a device build,
+        ``SpecDecoder.propose`` / ``verify``, ``MetadataBackend.stage``'s
+        ``min_padded_size``) calls it, with the same message.
+
+        Raises:
+            TypeError: not an int (``field`` named).
+            ValueError: out of that range or not a multiple of q (``field`` and the value
+                named).
+        """
+        q, top = self.uniform_decode_query_len, self.max_num_reqs * self.uniform_decode_query_len
+        v = check_int(field, padded_size, lo=None)  # the type; the range in one message below
+        if not lo <= v <= top or v % q:
+            raise ValueError(f"{field} must be a multiple of uniform_decode_query_len={q} in "
+                             f"[{lo}, {top}], got {padded_size!r}")
+        return v
+
     def views(self, num_reqs: int, padded_size: int) -> StepMetadata:
         """Prefix views for a step of ``num_reqs`` requests padded to ``padded_size`` token
-        rows. ValueError unless 0 <= padded_size <= max_num_reqs * q and q divides it."""
+        rows. TypeError / ValueError unless padded_size is an int in [0, max_num_reqs * q]
+        that q divides (:meth:`check_padded_size`)."""
         q = self.uniform_decode_query_len
-        if not 0 <= padded_size <= self.max_num_reqs * q or padded_size % q:
-            raise ValueError(f"padded_size must be a multiple of uniform_decode_query_len={q} in "
-                             f"[0, {self.max_num_reqs * q}], got {padded_size}")
+        padded_size = self.check_padded_size(padded_size, lo=0)
         r = padded_size // q
         return StepMetadata(
             input_ids=self.input_ids[:padded_size],

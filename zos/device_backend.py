@@ -7,6 +7,7 @@ import numpy as np
 import torch
 
 from zos._C import PinnedUpload
+from zos._checks import check_int
 from zos.backend import MetadataBackend, StepPlan
 from zos.buckets import BucketTable
 from zos.buffers import DecodeBuffers
@@ -95,9 +96,7 @@ class DeviceMetadataBackend(MetadataBackend):
         check_triton_device(buffers.device, "DeviceMetadataBackend: buffers")
         if staging not in STAGING_MODES:
             raise ValueError(f"staging must be one of {STAGING_MODES}, got {staging!r}")
-        if (staging == "mapped" and (not isinstance(ring_slots, int)
-                                     or isinstance(ring_slots, bool) or ring_slots < 1)):
-            raise ValueError(f"ring_slots must be a positive int, got {ring_slots!r}")
+        ring_slots = check_int("ring_slots", ring_slots) if staging == "mapped" else ring_slots
         cuda = buffers.device.type == "cuda"
         self._device_index = None
         if cuda:

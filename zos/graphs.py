@@ -146,10 +146,9 @@ class GraphCache:
     def capture(self, size: int) -> bool:
         """Make sure ``size`` holds a graph within the budget (see the class docstring);
         returns whether it does. A size marked over budget or whose capture failed is not
-        captured again. ValueError (before anything is captured or evicted) unless size is an
-        int >= 1."""
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise ValueError(f"size: expected an int >= 1 (token rows), got {size!r}")
+        captured again. TypeError / ValueError (before anything is captured or evicted) unless
+        size is an int >= 1 (token rows)."""
+        size = check_int("size", size)
         if size in self._entries:
             return True
         if size in self._over or size in self.failures:

@@ -8,30 +8,17 @@ from typing import Any
 import torch
 import triton
 
-from zos import staging
 from zos.buffers import DecodeBuffers
+from zos.triton_kernels import prep
 from zos.triton_kernels.prep import rebuild_rows, scatter_listed_rows
 
-# The ring state the prep kernels keep on the device, int32 words: CTR, the slot the next
-# new record lies in; LAST, the SEQ of the last record applied; CUR, the slot the running
-# build applies, and CUR_N, CUR_M, CUR_C, CUR_SEQ, its record's N, M, C and SEQ (written by
-# launch 1, read by launch 2 from device memory). RING_STATE_WORDS words in all.
-RING_STATE = dict(CTR=0, LAST=1, CUR=2, CUR_N=3, CUR_M=4, CUR_C=5, CUR_SEQ=6)
-RING_STATE_WORDS = 8
-# A row-map entry (src, rec) that launch 1 did not write: the row holds its request in place.
-IN_PLACE = -2
-
-# Every staging offset the kernels read, as constexprs (csrc/staging.h through zos.staging).
-_SCATTER_LAYOUT = dict(
-    NUM_REQS_WORD=staging.NUM_REQS, NUM_RECORDS_WORD=staging.NUM_RECORDS,
-    NUM_LISTED_WORD=staging.NUM_LISTED, SEQ_WORD=staging.SEQ, SEQ_MASK=staging.SEQ_MASK,
-    HEADER_WORDS=staging.HEADER_WORDS, LIST_WORDS=staging.LIST_WORDS, L_ROW=staging.L_ROW,
-    L_SRC=staging.L_SRC, L_REC=staging.L_REC, **RING_STATE)
-_REBUILD_LAYOUT = dict(
-    SEQ_MASK=staging.SEQ_MASK, HEADER_WORDS=staging.HEADER_WORDS, LIST_WORDS=staging.LIST_WORDS,
-    RECORD_WORDS=staging.RECORD_WORDS, R_TOKEN=staging.R_TOKEN, R_POS0=staging.R_POS0,
-    R_COL0=staging.R_COL0, R_COUNT=staging.R_COUNT, R_BLK_OFF=staging.R_BLK_OFF,
-    IN_PLACE=IN_PLACE, **RING_STATE)
+# The ring state's word offsets (CTR, LAST, CUR, CUR_N, CUR_M, CUR_C, CUR_SEQ) and the row
+# map's IN_PLACE, as plain ints for the host: the kernels read the same values as constexpr
+# globals of zos.triton_kernels.prep, where they are defined (with the staging layout).
+RING_STATE = {name: getattr(prep, name).value
+              for name in ("CTR", "LAST", "CUR", "CUR_N", "CUR_M", "CUR_C", "CUR_SEQ")}
+RING_STATE_WORDS = prep.RING_STATE_WORDS
+IN_PLACE = prep.IN_PLACE.value
 
 
 class PrepState:
@@ -69,7 +56,8 @@ def launch_prep(buffers: DecodeBuffers, padded_size: int, *, ring: Any = None,
     """Rebuild the metadata of a step padded to ``padded_size`` token rows, in place.
 
     Reads the staged record (layout: csrc/staging.h; real row count N at word
-    ``zos.staging.NUM_REQS``; the kernels get every offset as a constexpr) from slot
+    ``zos.staging.NUM_REQS``; the kernels read every offset as a constexpr global of
+    zos.triton_kernels.prep) from slot
     ``state``'s CTR of ``ring`` (``num_slots`` records of ``slot_words`` int32 words: a
     :class:`zos.staging_ring.StagingRing`'s device view) when that record is new, else from
     the slot applied last; by default (``ring`` None) from ``buffers.staging``, one slot, as
@@ -83,13 +71,11 @@ def launch_prep(buffers: DecodeBuffers, padded_size: int, *, ring: Any = None,
     host value of N or of the slot: capturable once per bucket.
 
     Raises:
-        ValueError: padded_size not a multiple of q in [1, max_num_reqs * q].
+        TypeError, ValueError: padded_size not an int multiple of q in [1, max_num_reqs * q]
+            (``DecodeBuffers.check_padded_size``); nothing is launched.
     """
     b, q = buffers, buffers.uniform_decode_query_len
-    if (not isinstance(padded_size, int) or not 1 <= padded_size <= b.max_num_reqs * q
-            or padded_size % q):
-        raise ValueError(f"padded_size must be a multiple of uniform_decode_query_len={q} in "
-                         f"[1, {b.max_num_reqs * q}], got {padded_size!r}")
+    padded_size = b.check_padded_size(padded_size)
     if ring is None:
         ring, num_slots, slot_words = b.staging, 1, b.staging.numel()
     st = state if state is not None else _default_state(b)
@@ -101,7 +87,7 @@ def launch_prep(buffers: DecodeBuffers, padded_size: int, *, ring: Any = None,
         ring, st.state, num_slots, slot_words, st.row_map,
         b.positions, b.num_blocks_per_row, b.block_table,
         b.scratch_pos, b.scratch_num_blocks_per_row, b.scratch_block_table, w,
-        Q=q, BLOCK_W=block_w, **_SCATTER_LAYOUT)
+        Q=q, BLOCK_W=block_w)
     rebuild_rows[grid](
         ring, st.state, num_slots, slot_words, st.row_map, b.sampled, b.accepted,
         b.input_ids, b.positions, b.slot_mapping, b.seq_lens, b.query_start_loc,
@@ -109,4 +95,4 @@ def launch_prep(buffers: DecodeBuffers, padded_size: int, *, ring: Any = None,
         b.scratch_pos, b.scratch_num_blocks_per_row, b.scratch_block_table,
         w, b.block_size, b.pad_token_id, b.seq_len_fill, b.padding.pad_slot_id,
         b.padding.null_block,
-        Q=q, Q_POW2=triton.next_power_of_2(q), BLOCK_W=block_w, **_REBUILD_LAYOUT)
+        Q=q, Q_POW2=triton.next_power_of_2(q), BLOCK_W=block_w)

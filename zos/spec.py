@@ -43,7 +43,7 @@ class SpecDecoder:
             bonus); entries past a, and rows >= N, keep older values.
 
     Raises:
-        TypeError: num_draft_tokens not an int.
+        TypeError: num_draft_tokens, min_n, max_n or num_kv_blocks not an int.
         ValueError: q != 1 + num_draft_tokens, num_draft_tokens < 1, 1 <= min_n <= max_n
             violated, or num_kv_blocks < 2; CPU buffers on a machine whose Triton compiles for
             the GPU (``zos._interpret.check_triton_device``).
@@ -57,23 +57,15 @@ class SpecDecoder:
         if q != 1 + num_draft_tokens:
             raise ValueError(f"buffers.uniform_decode_query_len must be 1 + num_draft_tokens = "
                              f"{1 + num_draft_tokens}, got {q}")
-        if not 1 <= min_n <= max_n:
+        min_n, max_n = check_int("min_n", min_n), check_int("max_n", max_n)
+        if min_n > max_n:
             raise ValueError(f"need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
-        if num_kv_blocks < 2:
-            raise ValueError(f"num_kv_blocks must be >= 2, got {num_kv_blocks}")
+        num_kv_blocks = check_int("num_kv_blocks", num_kv_blocks, 2)
         self.buffers, self.num_draft_tokens = buffers, num_draft_tokens
         self.min_n, self.max_n = min_n, max_n
         i32 = dict(dtype=torch.int32, device=buffers.device)
         self.token_cache = torch.zeros(num_kv_blocks * buffers.block_size, **i32)
         self.output = torch.zeros((buffers.max_num_reqs, q + 1), **i32)
-
-    def _check_size(self, padded_size: int) -> int:
-        b, q = self.buffers, self.buffers.uniform_decode_query_len
-        if (not isinstance(padded_size, int) or not 1 <= padded_size <= b.max_num_reqs * q
-                or padded_size % q):
-            raise ValueError(f"padded_size must be a multiple of uniform_decode_query_len={q} "
-                             f"in [1, {b.max_num_reqs * q}], got {padded_size!r}")
-        return padded_size // q
 
     def write_history(self, tokens: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Record prefilled tokens: ``token_cache[slot_mapping[i]] = tokens[i]`` for slots >= 0
@@ -98,10 +90,11 @@ class SpecDecoder:
         cache. Run after prep, before the forward. One launch, grid (padded_size // q,).
 
         Raises:
-            ValueError: padded_size not a multiple of q in [1, max_num_reqs * q].
+            TypeError, ValueError: padded_size not an int multiple of q in
+                [1, max_num_reqs * q] (``DecodeBuffers.check_padded_size``).
         """
         b, q = self.buffers, self.buffers.uniform_decode_query_len
-        grid = (self._check_size(padded_size),)
+        grid = (b.check_padded_size(padded_size) // q,)
         propose_ngram[grid](
             b.counts, b.input_ids, b.positions, b.slot_mapping, b.block_table,
             b.max_num_blocks_per_req, self.token_cache, b.block_size,
@@ -115,11 +108,11 @@ class SpecDecoder:
         One launch, grid (padded_size // q,).
 
         Raises:
-            ValueError: padded_size as in :meth:`propose`; target not int32 on the buffers'
-                device or shorter than padded_size.
+            TypeError, ValueError: padded_size as in :meth:`propose`.
+            ValueError: target not int32 on the buffers' device or shorter than padded_size.
         """
         b, q = self.buffers, self.buffers.uniform_decode_query_len
-        grid = (self._check_size(padded_size),)
+        grid = (b.check_padded_size(padded_size) // q,)
         if (target.dtype != torch.int32 or target.device != b.input_ids.device
                 or target.numel() < padded_size):
             raise ValueError(f"target must be int32 [>= {padded_size}] on "

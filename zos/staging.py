@@ -3,9 +3,10 @@
 One decode step stages one flat int32 record (header, the listed rows with their
 previous row and record index, row records, block ids). ``csrc/staging.h`` defines the
 layout, the single source of truth; ``zos._C.staging`` exports every constant of it, and this module
-re-exports them, so nothing here is a literal. The Triton kernels (through the
-launchers in ``zos/kernels.py``) and the numba host builder read the record
-through these names; ``tests/test_staging.py`` pins every value.
+re-exports them, so nothing here is a literal. The Triton kernels (as the
+``tl.constexpr`` globals of ``zos.triton_kernels.prep``, made from these names) and the
+numba host builder read the record through these names; ``tests/test_staging.py`` pins
+every value.
 
 All values are in int32 words:
 

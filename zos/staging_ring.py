@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from zos import staging
+from zos._checks import check_int
 
 
 @triton.jit
@@ -161,15 +162,14 @@ class StagingRing:
         fences: the native ring (CUDA) or :class:`ImmediateFences`.
 
     Raises:
-        ValueError: num_slots or slot_words not a positive int.
+        TypeError: num_slots or slot_words not an int.
+        ValueError: num_slots or slot_words < 1.
         RuntimeError: on CUDA, the driver cannot be loaded or the memory not mapped.
     """
 
     def __init__(self, num_slots: int, slot_words: int, device: torch.device) -> None:
-        for name, v in (("num_slots", num_slots), ("slot_words", slot_words)):
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
-        self.num_slots, self.slot_words = num_slots, slot_words
+        self.num_slots = num_slots = check_int("num_slots", num_slots)
+        self.slot_words = slot_words = check_int("slot_words", slot_words)
         if device.type == "cuda":
             from zos._C import MappedRing
 

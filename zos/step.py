@@ -1,4 +1,24 @@
-"""What the scheduler hands a metadata backend for one decode step."""
+"""What the scheduler hands a metadata backend for one decode step.
+
+Who checks a step (each rule once, in the layer that owns it; every check runs before anything
+is written):
+
+- :class:`DecodeStep` (here): each field on its own: a sequence of ints or an integer array,
+  1-D, every value fitting its dtype (int64 ``req_ids``, int32 the rest), converted without a
+  cast; ``DecodeStep.build`` also the shape of its arguments (``new``, ``appends``,
+  ``rewrites``). No rule that relates two fields or two steps.
+- ``zos._C`` (``csrc/bindings.cpp``, ``StepPacker.pack`` / ``stage_into_ring``): what the native
+  code reads through raw pointers: numpy arrays of dtype int64 / int32 in native byte order,
+  1-D, C-contiguous (a field replaced after a DecodeStep was built is caught here), ``out``
+  writeable, and the lengths that tie fields together (``new_tokens`` and ``new_positions``
+  of len(new_rows), the two indptrs of their rows + 1, ``append_block_ids`` of
+  len(append_rows), the three ``rewrite_*`` all or none).
+- the packer (``csrc/packer.cpp``), the authority on values and on the previous step: unique
+  request ids and rows, rows in [0, N), at most max_num_reqs rows, tokens in the vocabulary,
+  positions, indptrs starting at 0, non-decreasing and ending at the ids' length, block ids in
+  the pool (never the null block), blocks covering each row's positions, the record fitting
+  ``out``; it commits its mirror of the rows only when the whole step passed.
+"""
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
@@ -117,7 +137,8 @@ class DecodeStep:
         rewrite_block_ids: int32 [Y], each rewritten row's whole block-table row after this
             step (blocks appended this step included).
 
-    Every field takes a numpy integer array or a sequence of ints; nothing is cast.
+    Every field takes a numpy integer array or a sequence of ints; nothing is cast. The
+    rules that relate fields or steps are the native core's (module docstring).
 
     Raises:
         TypeError: a field is not a sequence of ints (a float, bool, string or nested

@@ -4,6 +4,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 
+from zos._checks import check_int
 from zos.buffers import NULL_BLOCK
 
 
@@ -19,13 +20,12 @@ class BlockAllocator:
         num_kv_blocks: blocks in the KV cache, including the null block (>= 2).
 
     Raises:
+        TypeError: num_kv_blocks not an int.
         ValueError: num_kv_blocks < 2.
     """
 
     def __init__(self, num_kv_blocks: int) -> None:
-        if not isinstance(num_kv_blocks, int) or num_kv_blocks < 2:
-            raise ValueError(f"num_kv_blocks must be an int >= 2 (block 0 is reserved), "
-                             f"got {num_kv_blocks!r}")
+        num_kv_blocks = check_int("num_kv_blocks", num_kv_blocks, 2)  # block 0 is reserved
         self.num_kv_blocks = num_kv_blocks
         self._free: deque[int] = deque(range(1, num_kv_blocks))
         self._used = bytearray(num_kv_blocks)  # 1 where the block is handed out

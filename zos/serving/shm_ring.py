@@ -34,6 +34,8 @@ import uuid
 
 import numpy as np
 
+from zos._checks import check_int
+
 MAGIC = 0x7A6F_7373_686D_0001  # "zosshm" v1
 RUNNING, DONE, FAILED = 1, 2, 3
 LINE = 64  # bytes: one cache line per rank / slot header, no false sharing
@@ -225,10 +227,10 @@ class StepRing(ShmSegment):
 
     @classmethod
     def create(cls, world_size: int, num_slots: int, slot_bytes: int, **kw) -> StepRing:
-        """Rank 0: a new ring file (see :class:`ShmSegment` for ``kw``)."""
-        if num_slots < 1 or slot_bytes < 0:
-            raise ValueError(f"num_slots must be >= 1 and slot_bytes >= 0, got {num_slots}, "
-                             f"{slot_bytes}")
+        """Rank 0: a new ring file (see :class:`ShmSegment` for ``kw``). TypeError unless
+        num_slots and slot_bytes are ints, ValueError unless num_slots >= 1, slot_bytes >= 0."""
+        num_slots = check_int("num_slots", num_slots)
+        slot_bytes = check_int("slot_bytes", slot_bytes, 0)
         slot_bytes = -(-slot_bytes // LINE) * LINE
         return cls(cls.new_path(), 0, world_size, cls.size(world_size, num_slots, slot_bytes),
                    num_slots=num_slots, slot_bytes=slot_bytes, **kw)

@@ -16,6 +16,7 @@ import zos._interpret  # noqa: F401  (sets TRITON_INTERPRET before triton is imp
 import torch
 import triton
 
+from zos._checks import check_int
 from zos.attention import paged_decode_attention
 from zos.buffers import StepMetadata
 from zos.triton_kernels.kv_cache import store_kv_kernel
@@ -26,14 +27,13 @@ def allocate_kv_cache(num_layers: int, num_kv_blocks: int, block_size: int, num_
     """Allocate zero-initialised paged KV caches.
 
     Returns ``num_layers`` tensors, each ``[2, num_kv_blocks, block_size, num_kv_heads,
-    head_dim]`` of ``dtype`` on ``device`` (K at index 0, V at index 1). Raises ValueError if a
-    size is < 1.
+    head_dim]`` of ``dtype`` on ``device`` (K at index 0, V at index 1). Raises TypeError if a
+    size is not an int, ValueError if it is < 1 (``check_int``).
     """
     for name, val in (("num_layers", num_layers), ("num_kv_blocks", num_kv_blocks),
                       ("block_size", block_size), ("num_kv_heads", num_kv_heads),
                       ("head_dim", head_dim)):
-        if int(val) < 1:
-            raise ValueError(f"allocate_kv_cache: {name} must be >= 1, got {val}")
+        check_int(f"allocate_kv_cache: {name}", val)
     shape = (2, num_kv_blocks, block_size, num_kv_heads, head_dim)
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 

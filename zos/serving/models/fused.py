@@ -17,6 +17,7 @@ from zos._interpret import interpreted  # sets TRITON_INTERPRET before triton is
 import torch
 import triton
 
+from zos._checks import check_int
 from zos.triton_kernels.fused import rms_norm_kernel, rope_store_kv_kernel, silu_and_mul_kernel
 
 __all__ = ["check_rms_norm", "check_rope_and_store_kv", "check_silu_and_mul", "rms_norm",
@@ -132,8 +133,7 @@ def check_rope_and_store_kv(qkv, cos, sin, kv_cache, slot_mapping, num_heads: in
     where = "rope_and_store_kv"
     for name, val in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads),
                       ("head_dim", head_dim)):
-        if int(val) < 1:
-            raise ValueError(f"{where}: {name} must be >= 1, got {val}")
+        check_int(f"{where}: {name}", val)
     if head_dim % 2:
         raise ValueError(f"{where}: head_dim must be even, got {head_dim}")
     _tensor(where, "qkv", qkv, 2)

@@ -23,6 +23,8 @@ import dataclasses
 
 import torch
 
+from zos._checks import check_int
+
 from .llama import LlamaConfig, LlamaForCausalLM
 
 
@@ -30,12 +32,12 @@ def tp_config(config: LlamaConfig, world_size: int) -> LlamaConfig:
     """The per-rank shape of ``config`` under tensor parallelism of ``world_size`` ranks.
 
     Raises:
+        TypeError: ``world_size`` not an int (``zos._checks.check_int``).
         ValueError: ``world_size`` < 1, or ``num_attention_heads``, ``num_key_value_heads``
             or ``intermediate_size`` not divisible by it (KV heads are split, never
             replicated, here).
     """
-    if not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+    world_size = check_int("world_size", world_size)
     for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
         v = getattr(config, name)
         if v % world_size:
@@ -53,11 +55,12 @@ def shard_state_dict(state_dict: dict, config: LlamaConfig, rank: int,
     module docstring says). Tensors keep dtype and device; slices are contiguous copies.
 
     Raises:
+        TypeError: ``rank`` or ``world_size`` not an int.
         ValueError: a shape :func:`tp_config` refuses, or ``rank`` outside [0, world_size).
         KeyError: a weight missing from ``state_dict``.
     """
     local = tp_config(config, world_size)
-    if not isinstance(rank, int) or not 0 <= rank < world_size:
+    if check_int("rank", rank, 0) >= world_size:
         raise ValueError(f"rank must be an int in [0, {world_size}), got {rank!r}")
     hd = config.head_dim
     hq, hkv = config.num_attention_heads, config.num_key_value_heads
