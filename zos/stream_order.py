@@ -80,6 +80,15 @@ class BuildOrder:
         self._stream = stream
         self._device = stream.device_index
         self._stream_id = stream.stream_id
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        if self._cuda is torch.cuda and raw is not None:
+            # The current stream's raw handle, with no Stream object made (Triton's launcher
+            # reads it the same way): the per-build check costs ~0.1 us, not ~1 us.
+            device, handle = self._device, stream.cuda_stream
+            self._on_stream = lambda: raw(device) == handle
+        else:
+            self._on_stream = lambda: self._cuda.current_stream(
+                self._device).stream_id == self._stream_id
 
     def before_build(self):
         """Call right before a build's kernels are enqueued. Returns None when the build runs
@@ -88,9 +97,9 @@ class BuildOrder:
         first build off the stream: everything on it so far). Pass it to :meth:`after_build`."""
         cuda = self._cuda
         capturing = cuda.is_current_stream_capturing()
-        current = cuda.current_stream(self._device)
-        if not capturing and current.stream_id == self._stream_id:
+        if not capturing and self._on_stream():
             return None
+        current = cuda.current_stream(self._device)
         self.off_stream_builds += 1
         first = not self.joined
         if first:
