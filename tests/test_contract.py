@@ -27,7 +27,7 @@ import torch
 from zos import DecodeBuffers, DecodeStep, DeviceMetadataBackend
 from zos.stream_order import BuildOrder
 
-from helpers import TraceGen, expected
+from helpers import DEVICE, TraceGen, expected
 
 ROOT = Path(__file__).resolve().parent.parent
 CORE = sorted((ROOT / "zos").glob("*.py"))
@@ -247,6 +247,7 @@ def test_new_stream_is_followed():
     assert order.before_build() is not None
 
 
+@pytest.mark.skipif(DEVICE != "cpu", reason="a CPU backend runs the interpreted kernels")
 @pytest.mark.parametrize("seed", [0, 1])
 def test_backend_build_goes_through_the_ordering(seed, monkeypatch):
     # The device backend's build on a CPU, with the ordering of a CUDA backend whose builds
@@ -274,6 +275,7 @@ def test_backend_build_goes_through_the_ordering(seed, monkeypatch):
     assert len(joins) == 1 and order.off_stream_builds == builds
 
 
+@pytest.mark.skipif(DEVICE != "cpu", reason="a CPU backend runs the interpreted kernels")
 def test_cpu_backend_builds_without_ordering():
     bufs = DecodeBuffers(4, 2, 16)
     be = DeviceMetadataBackend(bufs, num_kv_blocks=8, vocab_size=50)
