@@ -58,6 +58,7 @@ StepPacker::StepPacker(const PackerConfig& cfg) : cfg_(cfg), index_(cfg.max_num_
   dl_head_.assign(static_cast<size_t>(buckets), -1);
   dl_mask_ = buckets - 1;
   for (auto* v : {&moved_, &app_rows_, &touched_, &listed_}) v->reserve(r);
+  touch_bits_.assign((r + 63) / 64, 0);
 }
 
 void StepPacker::reset() {
@@ -232,7 +233,9 @@ void StepPacker::validate_appends(const StepInput& in) {
     }
     ++app_count_[row];
   }
-  std::sort(app_rows_.begin(), app_rows_.end());  // records of appended rows in row order
+  // Records of appended rows in row order (schedulers usually list appends in row order).
+  if (!std::is_sorted(app_rows_.begin(), app_rows_.end()))
+    std::sort(app_rows_.begin(), app_rows_.end());
 }
 
 // A rewritten row is a carried row (checked with the others in compute_touched) that is
@@ -292,16 +295,25 @@ void StepPacker::collect_touched(const StepInput& in) {
     for (int64_t i = 0; i < in.n; ++i) touched_.push_back(static_cast<int32_t>(i));
     return;
   }
+  // Rows are marked in a bitmap and read back in row order: no sort, one word per 64 rows
+  // up to the highest row touched (16 words at N = 1,024), the words cleared as they are read.
+  int32_t hi = -1;
   auto touch = [&](int32_t row) {
     if (touch_stamp_[row] == stamp_) return;
     touch_stamp_[row] = stamp_;
-    touched_.push_back(row);
+    touch_bits_[static_cast<size_t>(row) >> 6] |= uint64_t{1} << (row & 63);
+    hi = std::max(hi, row);
   };
   for (int32_t i : moved_) touch(i);
   for (int64_t k = 0; k < in.m; ++k) touch(in.new_rows[k]);
   for (int32_t i : app_rows_) touch(i);
   for (int64_t k = 0; k < in.x; ++k) touch(in.rewrite_rows[k]);
-  std::sort(touched_.begin(), touched_.end());
+  for (int64_t w = 0; w <= (hi >> 6); ++w) {
+    uint64_t bits = touch_bits_[static_cast<size_t>(w)];
+    touch_bits_[static_cast<size_t>(w)] = 0;
+    for (; bits; bits &= bits - 1)
+      touched_.push_back(static_cast<int32_t>(w * 64 + __builtin_ctzll(bits)));
+  }
 }
 
 [[noreturn]] void StepPacker::fail_blocks(const StepInput& in, int64_t row, int64_t pos,

@@ -127,6 +127,7 @@ class StepPacker {
   std::vector<int32_t> rec_of_row_, app_count_, app_start_, claim_row_, remap_, src_of_;
   std::vector<int32_t> rw_of_row_;  // per row: its index in rewrite_rows (rw_stamp_)
   std::vector<int32_t> moved_, app_rows_, touched_, listed_;
+  std::vector<uint64_t> touch_bits_;  // one bit per row, all zero between packs
   std::vector<int64_t> t_key_;
   std::vector<int32_t> t_nb_, t_assumed_;
   int64_t rows_visited_ = 0;
