@@ -14,7 +14,10 @@ overlapped engine stages step t + 1 while step t runs).
 Certain finishes. Every launch keeps at least one token per row, so a row whose tokens known
 plus its launches in flight reach ``max_new_tokens`` is not launched again (vLLM's async
 scheduling never schedules past max_tokens): it leaves at the next :meth:`retire` and its tokens
-in flight finish it when they are read. A finish by eos is known only when read.
+in flight finish it when they are read. The rule is applied where its answer can change: to the
+rows of a launch as it is scheduled (+1, that launch) and to the rows of a launch read while the
+next one is in flight (+1, the next one), both before the next step's retire. A finish by eos is
+known only when read.
 
 Dropped tokens. A request that gave its blocks back since a launch (finished by an eos read one
 step late, or preempted while a launch was in flight) drops that launch's tokens: its KV is
@@ -150,23 +153,21 @@ class Scheduler:
         """The next decode launch: every running row plus the joining requests, each running q
         token rows. ``in_flight``: the previous launch is not read yet (overlap). Allocates the
         blocks each row may write (preempting when none is free), lays the rows out, counts
-        the launch (``Request.num_launches``) and marks the rows certain to finish.
+        the launch (``Request.num_launches``) and marks the rows it is certain to finish.
 
         Returns ``(step, rows)``: the DecodeStep and the request of each row, or None when no
         row is left to run."""
         fresh, self.joining = self.joining, []
         appended = self._grow_blocks(fresh, q, in_flight)
-        carried = [r for r in self.rows if r is not None]
         for i in place_rows(self.rows, fresh):
             self.row_of[self.rows[i]] = i
             self._req_ids[i] = self.rows[i].req_id
         if not self.rows:
             return None
-        for reqs, flying in ((carried, 1 + in_flight), (fresh, 1)):
-            for req in reqs:
-                req.num_launches += 1
-                if len(req.output) + flying >= req.max_new_tokens:
-                    self.leaving.add(req)
+        for req in self.rows:  # this launch gives each row at least one token
+            req.num_launches += 1
+            if len(req.output) + 1 >= req.max_new_tokens:
+                self.leaving.add(req)
         return self._decode_step(fresh, appended), list(self.rows)
 
     def _grow_blocks(self, fresh: list[Request], q: int,
