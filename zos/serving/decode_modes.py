@@ -37,7 +37,7 @@ class PlainDecode:
         """The tokens each row kept: its sampled token (``values``: one host int per row)."""
         self.rows_read += len(values)
         self.tokens_kept += len(values)
-        return [(t,) for t in values]
+        return list(zip(values))  # one 1-tuple per row
 
     def write_prompt_history(self, req: Request) -> None:
         """Nothing: plain decode keeps no token history."""

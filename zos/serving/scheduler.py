@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable, Sequence
+from itertools import accumulate
 
 import numpy as np
 
@@ -145,7 +146,13 @@ class Scheduler:
     def start(self, reqs: Sequence[Request], first_tokens: Sequence[int]) -> None:
         """Append each prefilled request's first token (its KV in place: ``num_computed``
         set); those it does not finish join the next decode launch, in order."""
-        self.joining += [r for r, t in zip(reqs, first_tokens) if not self._append(r, t)]
+        eos = self.config.eos_token_id
+        for req, token in zip(reqs, first_tokens):
+            req.output.append(token)
+            if token == eos or len(req.output) >= req.max_new_tokens:
+                self._stop(req, 1)
+            else:
+                self.joining.append(req)
 
     # ---- one decode launch -----------------------------------------------------------------
 
@@ -158,37 +165,56 @@ class Scheduler:
         Returns ``(step, rows)``: the DecodeStep and the request of each row, or None when no
         row is left to run."""
         fresh, self.joining = self.joining, []
-        appended = self._grow_blocks(fresh, q, in_flight)
+        appended = self._grow_blocks(fresh, q, in_flight)  # may preempt, from fresh too
+        self._place(fresh)
+        if not self.rows:
+            return None
+        self._count_launch()
+        return self._decode_step(fresh, appended), list(self.rows)
+
+    def _place(self, fresh: list[Request]) -> None:
+        """Row layout (``place_rows``): new rows fill holes, the last rows close the rest."""
         for i in place_rows(self.rows, fresh):
             self.row_of[self.rows[i]] = i
             self._req_ids[i] = self.rows[i].req_id
-        if not self.rows:
-            return None
-        for req in self.rows:  # this launch gives each row at least one token
+
+    def _count_launch(self) -> None:
+        """Each row is launched once more; this launch gives it at least one token, so a row
+        one token short of max_new_tokens is a certain finish."""
+        for req in self.rows:
             req.num_launches += 1
             if len(req.output) + 1 >= req.max_new_tokens:
                 self.leaving.add(req)
-        return self._decode_step(fresh, appended), list(self.rows)
 
     def _grow_blocks(self, fresh: list[Request], q: int,
                      in_flight: bool) -> dict[Request, list[int]]:
         """Blocks so that each row covers num_computed + q positions, + q for a carried row with
-        a launch in flight; carried rows in row order, then ``fresh``, one block at a time.
-        When none is free the most recently admitted request among them is preempted (maybe
-        the one that needs it). Returns {carried request: blocks appended, in order}."""
-        bs, appended = self.config.block_size, {}
-        carried = [r for r in self.rows if r is not None]
-        for reqs, span in ((carried, q + q * in_flight), (list(fresh), q)):
-            for req in reqs:
-                while (len(req.blocks) * bs < req.num_computed + span
-                       and (req in self.row_of or req in fresh)):
-                    got = self.allocator.allocate(1)
-                    if got is None:
-                        self._preempt_newest(fresh, appended)
-                        continue
-                    req.blocks.append(got[0])
-                    if reqs is carried:
-                        appended.setdefault(req, []).append(got[0])
+        a launch in flight: the rows short of blocks, carried ones in row order, then ``fresh``,
+        take them one at a time; when none is free the most recently admitted request among
+        them is preempted (maybe the one that needs it). Returns {carried request: blocks
+        appended, in order}."""
+        bs, span = self.config.block_size, q * (2 if in_flight else 1)
+        short = [(r, span, True) for r in self.rows
+                 if r is not None and len(r.blocks) * bs < r.num_computed + span]
+        short += [(r, q, False) for r in fresh if len(r.blocks) * bs < r.num_computed + q]
+        missing = [-(-(r.num_computed + s) // bs) - len(r.blocks) for r, s, _ in short]
+        got, appended = self.allocator.allocate(sum(missing)), {}
+        if got is not None:  # enough for all: the blocks one at a time would hand out
+            for (req, _, carried), end, n in zip(short, accumulate(missing), missing):
+                req.blocks += got[end - n:end]
+                if carried:
+                    appended[req] = got[end - n:end]
+            return appended
+        for req, s, carried in short:  # too few: one at a time, preempting
+            while len(req.blocks) * bs < req.num_computed + s and (req in self.row_of
+                                                                     or req in fresh):
+                got = self.allocator.allocate(1)
+                if got is None:
+                    self._preempt_newest(fresh, appended)
+                    continue
+                req.blocks += got
+                if carried:
+                    appended.setdefault(req, []).extend(got)
         return appended
 
     def _decode_step(self, fresh: list[Request], appended: dict) -> DecodeStep:
@@ -207,31 +233,32 @@ class Scheduler:
 
     def accept(self, reqs: Sequence[Request], tokens: Sequence[Sequence[int]],
                more_in_flight: bool) -> None:
-        """The tokens one launch kept, per row: the row's KV advances by their count, they are
-        appended one by one until eos or ``max_new_tokens`` (the rest are dropped). A request
-        that gave its blocks back since the launch drops them all. ``more_in_flight``: a later
-        launch is still unread; its rows are checked again for a certain finish."""
-        eos = self.config.eos_token_id
+        """The tokens one launch kept, per row (``reqs``: the launch's rows): the row's KV
+        advances by their count and its output takes them up to the first eos or its
+        ``max_new_tokens`` (the rest are dropped). A request that gave its blocks back since
+        the launch drops them all. ``more_in_flight``: a later launch is still unread, so a
+        row one token short of max_new_tokens is a certain finish."""
+        eos, more = self.config.eos_token_id, int(more_in_flight)
         for req, kept in zip(reqs, tokens):
-            if not req.blocks:  # finished or preempted since the launch: its KV is gone
-                continue
-            req.num_computed += len(kept)
-            for tok in kept:
-                req.output.append(tok)
-                if tok == eos or len(req.output) >= req.max_new_tokens:
-                    self.finish(req, "eos" if tok == eos else "length")
-                    break
-            else:
-                if more_in_flight and len(req.output) + 1 >= req.max_new_tokens:
-                    self.leaving.add(req)
+            if req.blocks:  # else finished or preempted since the launch: its KV is gone
+                out = req.output
+                out += kept
+                req.num_computed += len(kept)
+                if (len(out) + more >= req.max_new_tokens  # rarely true
+                        or (eos is not None and eos in kept)):
+                    self._stop(req, len(kept))
 
-    def _append(self, req: Request, token: int) -> bool:
-        """Append one token with the stop checks; True if it finished ``req``."""
-        req.output.append(token)
-        eos = self.config.eos_token_id
-        if token == eos or len(req.output) >= req.max_new_tokens:
-            self.finish(req, "eos" if token == eos else "length")
-        return req.finish_reason is not None
+    def _stop(self, req: Request, n: int) -> None:
+        """``req`` got its last ``n`` tokens and reached eos or max_new_tokens within them (its
+        output ends at the first stop, the tokens after it are dropped, and it finishes), or
+        will reach max_new_tokens with the launch in flight (it leaves)."""
+        out, eos = req.output, self.config.eos_token_id
+        for i in range(len(out) - n, len(out)):
+            if out[i] == eos or i + 1 >= req.max_new_tokens:
+                del out[i + 1:]
+                self.finish(req, "eos" if out[i] == eos else "length")
+                return
+        self.leaving.add(req)  # a certain finish
 
     def finish(self, req: Request, reason: str) -> None:
         """Finish ``req`` ("eos" or "length"): its blocks go back, its row leaves at the next
