@@ -115,8 +115,7 @@ class Scheduler:
             if blocks is None:
                 break
             self.waiting.popleft()
-            req.blocks = blocks
-            self._count_admission(req)
+            req.blocks, req.admit_seq, self._admitted = blocks, self._admitted, self._admitted + 1
             out.append(req)
             used += n
         return out
@@ -138,9 +137,6 @@ class Scheduler:
             raise ValueError(f"request {req.req_id}: not enough free KV blocks")
         req.blocks, req.num_computed = blocks, len(req.prompt)
         self._live.add(req.req_id)
-        self._count_admission(req)
-
-    def _count_admission(self, req: Request) -> None:
         req.admit_seq, self._admitted = self._admitted, self._admitted + 1
 
     def start(self, reqs: Sequence[Request], first_tokens: Sequence[int]) -> None:
