@@ -89,8 +89,10 @@ def breakdown(eng: Engine, steps: int, warmup: int) -> dict[str, float]:
     by bench_e2e.py on a GPU engine, where ``runner.decode`` is stage + graph launch and
     ``readback.pop`` includes the wait for the GPU (``wait``). The engine keeps the timers."""
     acc: dict[str, float] = defaultdict(float)
-    for name in ("_retire", "_admit", "_decode", "_drain"):
-        wrap(eng, name, acc, name.lstrip("_"))
+    wrap(eng.scheduler, "retire", acc, "retire")
+    wrap(eng.scheduler, "admit", acc, "admit")
+    wrap(eng, "_decode", acc, "decode")
+    wrap(eng, "_read_back", acc, "drain")
     wrap(eng.runner, "decode", acc, "runner.decode")
     wrap(eng.backend, "stage", acc, "stage")
     wrap(eng.readback, "push", acc, "readback.push")

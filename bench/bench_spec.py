@@ -68,7 +68,7 @@ def run_combo(model, device, backend: str, k: int, n: int, args) -> dict:
         torch.cuda.synchronize()
     first, rows0, tok0 = len(engine.records), engine.spec_rows, engine.spec_tokens
     wait0 = getattr(engine.backend, "accepted_wait_seconds", 0.0)
-    out0 = sum(len(r.output) for r in engine._row_of)
+    out0 = sum(len(r.output) for r in engine.rows if r is not None)
     t0 = time.perf_counter()
     for _ in range(args.steps):
         engine.step()
@@ -77,7 +77,7 @@ def run_combo(model, device, backend: str, k: int, n: int, args) -> dict:
     wall = time.perf_counter() - t0
     recs = [r for r in engine.records[first:] if r.kind == "decode"]
     assert len(recs) == args.steps and all(r.num_reqs == n for r in recs), "not steady state"
-    tokens = sum(len(r.output) for r in engine._row_of) - out0
+    tokens = sum(len(r.output) for r in engine.rows if r is not None) - out0
     rows, kept = engine.spec_rows - rows0, engine.spec_tokens - tok0
     wait = getattr(engine.backend, "accepted_wait_seconds", 0.0) - wait0
     return dict(backend=backend, num_draft_tokens=k, n=n, tokens=tokens, wall_s=wall,

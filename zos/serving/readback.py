@@ -5,6 +5,9 @@ one of a ring of pinned buffers and records an event; it reads the tokens later 
 under overlap, at once otherwise) by waiting on that event only. This is how SGLang's overlap
 scheduler and vLLM's async scheduling get their outputs: the host never waits on the stream
 as a whole, only on the one copy it needs.
+
+``SampledReadback.pending`` is the engine's one queue of decode launches in flight, oldest
+first: a launch is pushed right after it is enqueued and popped when its tokens are read.
 """
 from __future__ import annotations
 
@@ -20,8 +23,8 @@ class Pending:
     """One decode step's tokens on their way to the host.
 
     Attributes:
-        rows: what the engine needs to route the tokens: one entry per real row (the engine's
-            own per-row record, e.g. the request and its preemption count at launch).
+        rows: what the engine needs to route the tokens: one entry per real row (the engine
+            passes the request of each row).
         slot: index of the pinned buffer holding the copy.
         event: CUDA event recorded after the copy (None off CUDA: the copy is synchronous).
     """
