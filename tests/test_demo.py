@@ -115,8 +115,9 @@ def test_demo_end_to_end_tiny(tiny):
     assert len(rep["samples"]) == 3
     if rep["device"] == "cuda":
         assert h["h2d_samples"] and z["h2d_samples"]
-        assert 0 < z["h2d_bytes_median"] < h["h2d_bytes_median"]
-        assert rep["ratios"]["h2d_bytes_median"] > 1
+        # zos's record is read in place from the mapped staging ring: no H2D copy per step
+        assert z["h2d_bytes_median"] == 0 < h["h2d_bytes_median"]
+        assert "zos makes no H2D copy" in printed
     md = (out / "report.md").read_text()
     assert "Identical tokens" in md and "YES" in md and rep["setup"]["torch"] in md
     assert "![per-step figures](report.png)" in md
