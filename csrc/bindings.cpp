@@ -175,8 +175,9 @@ int64_t pack(zos::StepPacker& self, const py::handle& req_ids, const py::handle&
              const py::handle& new_tokens, const py::handle& new_positions,
              const py::handle& new_block_indptr, const py::handle& new_block_ids,
              const py::handle& append_rows, const py::handle& append_block_ids,
-             const py::handle& out_obj, int32_t seq, const py::handle& rewrite_rows,
-             const py::handle& rewrite_block_indptr, const py::handle& rewrite_block_ids) {
+             const py::handle& out_obj, const py::handle& rewrite_rows,
+             const py::handle& rewrite_block_indptr, const py::handle& rewrite_block_ids,
+             int32_t seq) {
   const CheckedStep c = check_step(req_ids, new_rows, new_tokens, new_positions,
                                    new_block_indptr, new_block_ids, append_rows,
                                    append_block_ids, rewrite_rows, rewrite_block_indptr,
@@ -269,8 +270,8 @@ inside the pool (request block ids in [1, num_kv_blocks)), or >= num_kv_blocks, 
       .def("pack", &pack, py::arg("req_ids"), py::arg("new_rows"), py::arg("new_tokens"),
            py::arg("new_positions"), py::arg("new_block_indptr"), py::arg("new_block_ids"),
            py::arg("append_rows"), py::arg("append_block_ids"), py::arg("out"),
-           py::arg("seq") = 0, py::arg("rewrite_rows") = py::none(),
-           py::arg("rewrite_block_indptr") = py::none(), py::arg("rewrite_block_ids") = py::none(),
+           py::arg("rewrite_rows") = py::none(), py::arg("rewrite_block_indptr") = py::none(),
+           py::arg("rewrite_block_ids") = py::none(), py::arg("seq") = 0,
            R"doc(Validate one step and write its staging record into ``out``; returns its length in words.
 
 Args (numpy, 1-D, contiguous): req_ids int64 [N]; new_rows int32 [M] (rows whose

@@ -291,8 +291,11 @@ void StepPacker::validate_rewrites(const StepInput& in) {
 // advance by per-row accepted counts).
 void StepPacker::collect_touched(const StepInput& in) {
   touched_.clear();
-  if (cfg_.q > 1) {
-    for (int64_t i = 0; i < in.n; ++i) touched_.push_back(static_cast<int32_t>(i));
+  if (cfg_.q > 1) {  // every row (positions advance by per-row accepted counts)
+    for (int64_t i = 0; i < in.n; ++i) {
+      touch_stamp_[i] = stamp_;  // the dense record and check_deadlines read the stamps
+      touched_.push_back(static_cast<int32_t>(i));
+    }
     return;
   }
   // Rows are marked in a bitmap and read back in row order: no sort, one word per 64 rows

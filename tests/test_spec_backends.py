@@ -13,8 +13,17 @@ from helpers import DEVICE
 
 VOCAB, PAD = 500, 3
 BACKENDS = {"device": DeviceMetadataBackend, "host": HostMetadataBackend,
+            "device_dense": lambda *a, **kw: DeviceMetadataBackend(*a, dense_record=True, **kw),
+            "host_dense": lambda *a, **kw: _dense_host(*a, **kw),
             "host_ids_on_device": lambda *a, **kw: HostMetadataBackend(
                 *a, input_ids_from_device=True, **kw)}
+
+
+def _dense_host(*a, **kw):
+    """The host-built backend over the dense record (every row listed)."""
+    be = HostMetadataBackend(*a, **kw)
+    be.packer.list_every_row = True
+    return be
 
 
 def make(kind, q, *, max_num_reqs=12, block_size=2, width=40, num_kv_blocks=4000, buckets=True):

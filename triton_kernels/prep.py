@@ -23,8 +23,9 @@ Triton reads ``tl.constexpr`` globals when it compiles a kernel (and in its inte
 its cache on their values and refuses a value changed after compiling; another layout is
 another copy of this module (tests/test_staging.py imports one with a shuffled layout).
 
-Ordering (docs/ZOS.md, "Ordering inside the prep kernels"). Between programs: within one
-launch no program reads a word that another program of the same launch writes.
+Ordering (docs/ZOS.md, "The staging record", "Ordering: why the row map cannot race").
+Between programs: within one launch no program reads a word that another program of the
+same launch writes.
 ``scatter_listed_rows`` (launch 1) reads the ring state, the record and the previous state of
 source rows; it writes only the row map, scratch (rows of listed entries, distinct) and,
 program 0, CUR and the copy of the record's header (CUR_N, CUR_M, CUR_C, CUR_SEQ).
@@ -101,10 +102,11 @@ def scatter_listed_rows(ring_ptr, state_ptr, num_slots, slot_words, row_map_ptr,
                         Q: tl.constexpr, BLOCK_W: tl.constexpr):
     """Launch 1: program k applies listed entry k of the record (k < C).
 
-    Reads the ring state (int32 [4]) and the record (int32; C at word NUM_LISTED_WORD,
-    entries (row, src, rec) from HEADER_WORDS), and for an entry whose row moves (src >= 0,
-    src != row) the previous position, block count and block-table columns of row src
-    (positions int32 [R*Q], num_blocks_per_row int32 [R], block_table int32 [R, bt_stride]).
+    Reads the ring state (int32 [RING_STATE_WORDS]) and the record (int32; C at word
+    NUM_LISTED_WORD, entries (row, src, rec) from HEADER_WORDS), and for an entry whose row
+    moves (src >= 0, src != row) the previous position, block count and block-table columns
+    of row src (positions int32 [R*Q], num_blocks_per_row int32 [R], block_table int32
+    [R, bt_stride]).
     Writes row_map int32 [R, 2] at the entry's row = (src, rec), the moved row's scratch
     (scratch_pos int32 [R], scratch_nb int32 [R], scratch_bt int32 [R, bt_stride]), and
     program 0 the ring state's CUR = the slot this build applies and CUR_N, CUR_M, CUR_C,

@@ -24,11 +24,13 @@ STAGING_MODES = ("mapped", "copy")
 class DeviceMetadataBackend(MetadataBackend):
     """Builds each step's metadata with the prep kernels, from device state.
 
-    Per step, on the host: ``StepPacker.pack`` (C++, no GIL) writes the staging
-    record, 8 + 3C + 5M + L int32 words (C listed rows: those whose request is new or
-    moved, or that get blocks; M records: new rows and rows with appended blocks; L block
-    ids: new rows' whole rows and appended blocks): a row that keeps its request and gets
-    no block costs no word and, in plain decode, no host work. On the device:
+    Per step, on the host: one native call (``StepPacker.stage_into_ring`` or
+    ``stage_upload``: C++, no GIL, the DecodeStep's arrays read by name) validates the step
+    and writes the staging record, 8 + 3C + 5M + L int32 words (C listed rows: those whose
+    request is new or moved, or that get blocks or a rewritten block list; M records: new
+    rows, rows with appended blocks and rewritten rows; L block ids: new and rewritten rows'
+    whole lists and appended blocks): a row that keeps its request and gets no block costs
+    no word and, in plain decode, no host work. On the device:
     ``launch_prep`` (two kernels) rebuilds every field in place.
 
     Where the record goes (``staging``):

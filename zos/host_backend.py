@@ -257,6 +257,9 @@ class HostMetadataBackend(MetadataBackend):
         """Nothing to compute: ``stage`` already enqueued the copies, on the stream current at
         the stage. On CUDA the current stream waits for them here (an event wait; under
         capture an event-wait node, so a graph replayed on any stream reads the copied
-        rows), so the step's consumers may run on another stream than the stage's."""
+        rows). The other direction is the runner's: the next ``stage`` writes the buffers
+        (and may read ``sampled`` back) on its stream, so a runner whose model and sampler run
+        on another stream orders that stage after them (docs/ZOS.md, "The runner contract",
+        rule 3)."""
         if self._fence is not None:
             self._fence.wait(torch.cuda.current_stream(self.buffers.device))

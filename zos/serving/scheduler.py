@@ -215,7 +215,7 @@ class Scheduler:
 
     def _decode_step(self, fresh: list[Request], appended: dict) -> DecodeStep:
         """The launch's DecodeStep: each new row whole (token, position, blocks), appended
-        blocks by row in the order appended; a step of carried rows only skips ``build``."""
+        blocks by row in the order appended."""
         row_of, ids = self.row_of, self._req_ids[:len(self.rows)].copy()
         appends = sorted(((row_of[r], b) for r, bl in appended.items() for b in bl),
                          key=lambda e: e[0])
