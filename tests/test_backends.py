@@ -152,6 +152,9 @@ def test_stalled_stream_many_steps_in_flight(capture):
 
     gen = TraceGen(11, max_num_reqs=24, block_size=BS, max_blocks=W, num_kv_blocks=NUM_BLOCKS,
                    vocab=VOCAB, big=True)
+    warm = make("device", capture=capture)  # Triton compiles its kernels here, not under the
+    warm.prepare(TraceGen(3, max_num_reqs=24, block_size=BS, max_blocks=W,  # stall below
+                          num_kv_blocks=NUM_BLOCKS, vocab=VOCAB, big=True).next_step()[0])
     dev = make("device", capture=capture)
     steps = []
     for _ in range(8):
