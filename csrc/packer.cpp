@@ -13,6 +13,13 @@ namespace {
 
 [[noreturn]] void fail(const std::string& msg) { throw std::invalid_argument(msg); }
 
+// Entry k of a row list (new_rows, append_rows, rewrite_rows) must be a row of this step.
+void check_row(const char* field, int64_t k, int64_t row, int64_t n) {
+  if (row < 0 || row >= n)
+    fail(std::string(field) + "[" + std::to_string(k) + "] = " + std::to_string(row) +
+         " is outside [0, " + std::to_string(n) + ")");
+}
+
 std::string row_str(int64_t row, int64_t id) {
   return "row " + std::to_string(row) + " (request " + std::to_string(id) + ")";
 }
@@ -166,9 +173,7 @@ void StepPacker::validate_new_rows(const StepInput& in) {
          ", got " + std::to_string(in.new_block_indptr[in.m]));
   for (int64_t k = 0; k < in.m; ++k) {
     const int64_t row = in.new_rows[k];
-    if (row < 0 || row >= in.n)
-      fail("new_rows[" + std::to_string(k) + "] = " + std::to_string(row) + " is outside [0, " +
-           std::to_string(in.n) + ")");
+    check_row("new_rows", k, row, in.n);
     if (rec_stamp_[row] == stamp_)
       fail("new_rows: row " + std::to_string(row) + " appears twice, at positions " +
            std::to_string(rec_of_row_[row]) + " and " + std::to_string(k));
@@ -216,9 +221,7 @@ void StepPacker::validate_appends(const StepInput& in) {
   app_rows_.clear();
   for (int64_t e = 0; e < in.a; ++e) {
     const int64_t row = in.append_rows[e];
-    if (row < 0 || row >= in.n)
-      fail("append_rows[" + std::to_string(e) + "] = " + std::to_string(row) +
-           " is outside [0, " + std::to_string(in.n) + ")");
+    check_row("append_rows", e, row, in.n);
     auto who = [&] { return row_str(row, in.req_ids[row]); };  // built only on failure
     if (is_new(row))
       fail("append_rows: " + who() + " is a new row; put the block in its new_block_ids");
@@ -254,9 +257,7 @@ void StepPacker::validate_rewrites(const StepInput& in) {
       fail("rewrite_block_indptr must be non-decreasing, drops at " + std::to_string(k));
   for (int64_t k = 0; k < in.x; ++k) {
     const int64_t row = in.rewrite_rows[k];
-    if (row < 0 || row >= in.n)
-      fail("rewrite_rows[" + std::to_string(k) + "] = " + std::to_string(row) +
-           " is outside [0, " + std::to_string(in.n) + ")");
+    check_row("rewrite_rows", k, row, in.n);
     auto who = [&] { return row_str(row, in.req_ids[row]); };  // built only on failure
     if (is_new(row))
       fail("rewrite_rows: " + who() + " is a new row; its new_block_ids are its whole list");
