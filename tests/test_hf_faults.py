@@ -16,12 +16,9 @@ import torch
 
 from zos import DecodeBuffers, DeviceMetadataBackend, HostMetadataBackend, PaddingProfile
 
-from helpers import DEVICE
+from helpers import DEVICE, require_transformers
 
-transformers = pytest.importorskip("transformers")
-if transformers.__version__ != "5.17.0":
-    pytest.skip(f"zos.integrations.transformers targets transformers 5.17.0, found "
-                f"{transformers.__version__}", allow_module_level=True)
+require_transformers()  # before the transformers imports below
 
 from test_hf import (  # noqa: E402
     cb_config,

@@ -213,6 +213,21 @@ class HeldStream:
     def run_one(self):
         self.queue.pop(0)()
 
+    @classmethod
+    def holding_builds(cls, monkeypatch):
+        """A held stream that the device backend's builds (its ``launch_prep``) are enqueued
+        on: each runs, and counts in ``builds_done``, only when the stream runs it."""
+        stream, real = cls(), device_backend.launch_prep
+
+        def deferred(*args, **kw):
+            def run():
+                real(*args, **kw)
+                stream.builds_done += 1
+            stream.enqueue(run)
+
+        monkeypatch.setattr(device_backend, "launch_prep", deferred)
+        return stream
+
 
 class HeldFences(ImmediateFences):
     """The ring's fence logic over ``HeldStream``: a fence is done when the stream has run
@@ -252,16 +267,7 @@ def test_ring_steps_in_flight(monkeypatch, num_slots):
     """Up to K builds in flight, the host wrapping the ring several times: each slot is
     rewritten only after its fence, the host waits only when K steps ahead, and every step's
     metadata (read when its build runs) equals the truth."""
-    stream = HeldStream()
-    real = kernels.launch_prep
-
-    def deferred(*args, **kw):
-        def run():
-            real(*args, **kw)
-            stream.builds_done += 1
-        stream.enqueue(run)
-
-    monkeypatch.setattr(device_backend, "launch_prep", deferred)
+    stream = HeldStream.holding_builds(monkeypatch)
     dev = make("mapped", ring_slots=num_slots)
     fences = dev.ring.fences = HeldFences(num_slots, stream)
     gen = TraceGen(7, max_num_reqs=24, block_size=BS, max_blocks=W, num_kv_blocks=NUM_BLOCKS,
@@ -403,16 +409,7 @@ def test_ring_full_record_at_512_rows_with_builds_in_flight(monkeypatch):
     common = dict(num_kv_blocks=1 + n * w, vocab_size=VOCAB,
                   buckets=BucketTable([256, 512]))
     host = HostMetadataBackend(DecodeBuffers(n, w, bs, device=DEVICE), **common)
-    stream = HeldStream()
-    real = device_backend.launch_prep
-
-    def deferred(*args, **kw):
-        def run():
-            real(*args, **kw)
-            stream.builds_done += 1
-        stream.enqueue(run)
-
-    monkeypatch.setattr(device_backend, "launch_prep", deferred)
+    stream = HeldStream.holding_builds(monkeypatch)
     dev = DeviceMetadataBackend(DecodeBuffers(n, w, bs, device=DEVICE), staging="mapped",
                                 ring_slots=k, **common)
     fences = dev.ring.fences = HeldFences(k, stream)
