@@ -1,27 +1,33 @@
-"""Where the host time of one zos step goes (H200 notes in bench/NOTES.md).
+"""Where the host time of one zos step goes, and the floor of each part (H200 notes in
+bench/NOTES.md).
 
 Runs the steady workload of bench_prep.py (5% of rows replaced per step) through
 DeviceMetadataBackend with prep graphs, for both ways the record reaches the prep kernels
 ("mapped": packed into a slot of the zero-copy ring, which the graph reads in place;
-"copy": packed into a pinned buffer and copied by one H2D copy), and times per step
-``stage`` and ``build`` (graph replay), then each call they are made of, alone:
+"copy": packed into a pinned buffer and copied by one H2D copy), and times ``stage``,
+``build`` and ``metadata`` of each step, then each call they are made of, alone:
 
-- pack alone (C++): ``StepPacker.pack`` of the same steps into a numpy buffer, its work
+- pack alone (C++): ``StepPacker.pack_step`` of the same steps into a numpy buffer, its work
   O(changed rows) (``rows_visited`` gives the rows it visited);
 - ring fences alone: ``acquire`` + ``commit`` of a second ring on the same stream (one
   cuEventRecord of the slot staged last and one cuEventQuery of the next slot);
 - upload alone (copy path): one native H2D copy and its fence;
-- graph replay alone: ``torch.cuda.CUDAGraph.replay`` of the bucket's prep graph;
-- Python: stage less pack and fences (argument passing, plan lookup, owner check);
-- the stage once the build ordering is on (``zos.stream_order``: after one build off the
-  backend's stream, as any captured build turns it on; the second half of the steps): one
-  more native event wait per stage (mapped), or a wait and a record (copy).
+- graph launch alone: one ``cuGraphLaunch`` of the bucket's prep graph (``zos._C.launch_graph``,
+  what ``build`` does), and ``torch.cuda.CUDAGraph.replay`` of it (which also refills the
+  random generators' state: two fills per replay);
+- Python in stage: stage less pack and fences (argument passing, plan lookup, owner check).
 
 Each part's floor is the cheapest call that does it, measured too: for the pack, the pack of
 an empty step (the call and its argument checks) and a memcpy of the record's words; for the
-replay, the replay of a one-kernel graph; for the fences, one record and one query of a CUDA
-event (the fences alone). Prints medians in microseconds and,
-with ``--out``, writes them as JSON. CUDA only.
+build, the launch of a one-kernel graph; for the fences, the fences alone.
+
+Every figure is taken in two conditions. **warm**: the calls follow one another (steps built
+beforehand), so the host's caches and branch predictors hold zos's code and data. **after
+scheduler**: before each timed call one step of a second workload is built (Python and numpy,
+the work bench_prep.py does between two timed steps, as a scheduler does in a serving loop),
+which evicts them; bench_prep.py's figures are taken this way. The device is synchronized
+after each step (untimed), so no stage waits for a ring slot. Prints medians in
+microseconds and, with ``--out``, writes them as JSON. CUDA only.
 
 Usage: python bench/host_breakdown.py [--sizes 1,8,64,256,512,1024] [--out DIR]
 """
@@ -29,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import itertools
 import json
 import statistics
 import sys
@@ -47,16 +54,24 @@ from zos import (  # noqa: E402
     StepPacker,
     staging,
 )
-from zos._C import PinnedUpload  # noqa: E402
+from zos._C import PinnedUpload, launch_graph  # noqa: E402
 from zos.staging_ring import StagingRing  # noqa: E402
 
 from workload import SteadyWorkload, workload_steps  # noqa: E402
 
+CONDITIONS = ("warm", "after scheduler")
 
-def med_us(fn, reps=2000):
-    """Median microseconds of ``fn()`` over ``reps`` calls."""
+
+def med_us(fn, between=None, reps=600, sync_every=0):
+    """Median microseconds of ``fn()`` over ``reps`` calls; ``between()`` (untimed) runs
+    before each call; with ``sync_every`` the device is synchronized (untimed) every that
+    many calls, so that a call that enqueues GPU work never waits for a full launch queue."""
     ts = []
-    for _ in range(reps):
+    for i in range(reps):
+        if between is not None:
+            between()
+        if sync_every and i % sync_every == 0:
+            torch.cuda.synchronize()
         t0 = time.perf_counter_ns()
         fn()
         ts.append(time.perf_counter_ns() - t0)
@@ -70,92 +85,100 @@ def fences_once(ring, stream_handle):
     ring.commit()
 
 
-def breakdown(n, mode, steps):
-    """Medians (us) of one backend's step and of its parts, for batch size ``n``."""
-    wl_w, wl_bs, kv = steps["w"], steps["bs"], steps["num_kv_blocks"]
-    bufs = DecodeBuffers(n, wl_w, wl_bs, device="cuda")
-    be = DeviceMetadataBackend(bufs, num_kv_blocks=kv, vocab_size=32000,
+def run_steps(n, mode, wl, step_iter):
+    """stage / build / metadata medians (us) of a fresh backend over ``step_iter`` (its first
+    step untimed), and the backend."""
+    bufs = DecodeBuffers(n, wl.w, wl.bs, device="cuda")
+    be = DeviceMetadataBackend(bufs, num_kv_blocks=wl.num_kv_blocks, vocab_size=32000,
                                buckets=BucketTable([n]), capture_prep=True, staging=mode)
-    seq = steps["steps"]  # prebuilt: each part is timed with the host's caches warm
-    be.prepare(seq[0])
-    t_stage, t_build, t_meta, t_ordered = [], [], [], []
-    half = len(seq) // 2
-    side = torch.cuda.Stream()
-    for i, s in enumerate(seq[1:], 1):
+    be.prepare(next(step_iter))
+    t_stage, t_build, t_meta = [], [], []
+    for s in step_iter:
+        torch.cuda.synchronize()
         t0 = time.perf_counter_ns()
         plan = be.stage(s)
         t1 = time.perf_counter_ns()
-        if i == half:  # one build off the backend's stream: its stages order builds from now
-            side.wait_stream(be.stream)
-            with torch.cuda.stream(side):
-                be.build(plan.padded_size)
-            be.stream.wait_stream(side)
-            continue
         be.build(plan.padded_size)
         t2 = time.perf_counter_ns()
         be.metadata(plan)
-        if i > half:
-            t_ordered.append(t1 - t0)
-            continue
         t_stage.append(t1 - t0)
         t_build.append(t2 - t1)
         t_meta.append(time.perf_counter_ns() - t2)
-    assert be.build_order.joined
     torch.cuda.synchronize()
-    packer = StepPacker(n, 1, wl_bs, wl_w, kv, 32000)
-    out = np.zeros(staging.capacity_words(n, wl_w), np.int32)
-    t_pack, visited, words = [], [], []
-    for s in seq:
+    return [statistics.median(t) / 1e3 for t in (t_stage, t_build, t_meta)], be
+
+
+def pack_alone(n, wl, step_iter):
+    """Medians of ``pack_step`` over ``step_iter`` (first untimed): us, rows visited, bytes."""
+    packer = StepPacker(n, 1, wl.bs, wl.w, wl.num_kv_blocks, 32000)
+    out = np.zeros(staging.capacity_words(n, wl.w), np.int32)
+    packer.pack_step(next(step_iter), out)
+    t, visited, words = [], [], []
+    for s in step_iter:
         t0 = time.perf_counter_ns()
-        w = packer.pack_step(s, out)
-        t_pack.append(time.perf_counter_ns() - t0)
+        words.append(packer.pack_step(s, out))
+        t.append(time.perf_counter_ns() - t0)
         visited.append(packer.rows_visited)
-        words.append(w)
+    return statistics.median(t) / 1e3, statistics.median(visited), 4 * statistics.median(words)
+
+
+def breakdown(n, mode, steps, count, tiny_graph, condition):
+    """Medians (us) of one backend's step and of its parts, for batch size ``n``."""
+    wl = SteadyWorkload(n, seed=n)
+    if condition == "warm":
+        between, fresh = None, lambda: iter(steps)
+    else:  # each step built right before it is timed, as in bench_prep.py; before each
+        # timed floor call, one step of another workload is built (untimed)
+        between = workload_steps(n, wl.max_ctx, 1 << 30).__next__
+        fresh = lambda: workload_steps(n, wl.max_ctx, count)  # noqa: E731
+    (stage, build, meta), be = run_steps(n, mode, wl, fresh())
+    pack, visited, nbytes = pack_alone(n, wl, fresh())
     empty = DecodeStep.build([])
-    floor_packer = StepPacker(n, 1, wl_bs, wl_w, kv, 32000)
-    words_med = int(statistics.median(words[1:]))
-    src, dst = out[:words_med].copy(), np.zeros(words_med, np.int32)
-    row = {
-        "stage": statistics.median(t_stage) / 1e3,
-        "stage, build ordering on (after a build off its stream)": statistics.median(
-            t_ordered) / 1e3,
-        "build (graph replay)": statistics.median(t_build) / 1e3,
-        "metadata (memoised views)": statistics.median(t_meta) / 1e3,
-        "pack alone (C++)": statistics.median(t_pack[1:]) / 1e3,
-        "rows visited by pack": statistics.median(visited[1:]),
-        "record bytes": 4 * statistics.median(words[1:]),
-        "graph replay alone": med_us(be.prep_graphs[n].replay),
-        "floor: pack of an empty step (call + checks)": med_us(
-            lambda: floor_packer.pack_step(empty, out)),
-        "floor: memcpy of the record's words": med_us(lambda: np.copyto(dst, src)),
-        "floor: replay of a one-kernel graph": med_us(steps["tiny_graph"].replay),
-    }
+    floor_packer = StepPacker(n, 1, wl.bs, wl.w, wl.num_kv_blocks, 32000)
+    out = np.zeros(staging.capacity_words(n, wl.w), np.int32)
+    src, dst = out[: int(nbytes) // 4].copy(), np.zeros(int(nbytes) // 4, np.int32)
     handle = be.stream.cuda_stream
+    graph_exec = be.prep_graphs[n].raw_cuda_graph_exec()
+    tiny_exec = tiny_graph.raw_cuda_graph_exec()
+    row = {
+        "stage": stage,
+        "build (cuGraphLaunch of the prep graph)": build,
+        "metadata (memoised views)": meta,
+        "step (stage + build + metadata)": stage + build + meta,
+        "pack alone (C++)": pack,
+        "rows visited by pack": visited,
+        "record bytes": nbytes,
+        "graph launch alone (cuGraphLaunch)": med_us(
+            lambda: launch_graph(graph_exec, handle), between, sync_every=64),
+        "graph replay alone (torch replay)": med_us(be.prep_graphs[n].replay, between,
+                                                    sync_every=64),
+        "floor: pack of an empty step (call + checks)": med_us(
+            lambda: floor_packer.pack_step(empty, out), between),
+        "floor: memcpy of the record's words": med_us(lambda: np.copyto(dst, src), between),
+        "floor: cuGraphLaunch of a one-kernel graph": med_us(
+            lambda: launch_graph(tiny_exec, handle), between, sync_every=64),
+    }
     if mode == "mapped":
-        ring = StagingRing(4, 64, bufs.device)
-        row["ring fences alone (record + query)"] = med_us(lambda: fences_once(ring.fences,
-                                                                               handle))
+        ring = StagingRing(4, 64, be.buffers.device)
+        fences = row["ring fences alone (record + query)"] = med_us(
+            lambda: fences_once(ring.fences, handle), between, sync_every=64)
         ring.synchronize()
-        fences = row["ring fences alone (record + query)"]
     else:
         nbytes = 4 * staging.total_words(0, 0, 0)  # a second upload on the same stream
-        dst = torch.zeros(nbytes // 4, dtype=torch.int32, device=bufs.device)
+        dst = torch.zeros(nbytes // 4, dtype=torch.int32, device=be.buffers.device)
         src = [torch.zeros(nbytes // 4, dtype=torch.int32, pin_memory=True) for _ in range(2)]
         up = PinnedUpload(dst.data_ptr(), src[0].data_ptr(), src[1].data_ptr(), nbytes,
-                          bufs.device.index or 0)
-        row["upload alone (copy + fence)"] = med_us(lambda: up.submit(up.acquire(), nbytes,
-                                                                      handle))
+                          be.buffers.device.index or 0)
+        fences = row["upload alone (copy + fence)"] = med_us(
+            lambda: up.submit(up.acquire(), nbytes, handle), between, sync_every=64)
         up.synchronize()
-        fences = row["upload alone (copy + fence)"]
-    row["python in stage (stage - pack - fences)"] = row["stage"] - row["pack alone (C++)"] - fences
-    row["step (stage + build + metadata)"] = (row["stage"] + row["build (graph replay)"]
-                                              + row["metadata (memoised views)"])
+    row["python in stage (stage - pack - fences)"] = stage - pack - fences
     torch.cuda.synchronize()
     return row
 
 
 def main(argv=None):
-    """Print the breakdown for each N and mode; ``--out`` writes the JSON there."""
+    """Print the breakdown for each N, mode and condition; ``--out`` writes the JSON there."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", default="1,8,64,256,512,1024")
     ap.add_argument("--steps", type=int, default=300)
@@ -170,21 +193,21 @@ def main(argv=None):
         x.add_(1)
     for n in [int(x) for x in args.sizes.split(",")]:
         wl = SteadyWorkload(n, seed=n)
-        steps = dict(steps=list(workload_steps(n, wl.max_ctx, args.steps)),
-                     w=wl.w, bs=wl.bs, num_kv_blocks=wl.num_kv_blocks, tiny_graph=tiny_graph)
-        for mode in ("mapped", "copy"):
-            row = breakdown(n, mode, steps)
-            results.append(dict(n=n, mode=mode, **row))
-            print(f"N={n} staging={mode}")
+        steps = list(workload_steps(n, wl.max_ctx, args.steps))
+        for mode, condition in itertools.product(("mapped", "copy"), CONDITIONS):
+            row = breakdown(n, mode, steps, args.steps, tiny_graph, condition)
+            results.append(dict(n=n, mode=mode, condition=condition, **row))
+            print(f"N={n} staging={mode} ({condition})")
             for name, us in row.items():
-                print(f"  {name:<42} {us:9.2f}")
+                print(f"  {name:<46} {us:9.2f}")
     if args.out:
         name = torch.cuda.get_device_name().replace(" ", "_")
         today = dt.date.today().isoformat()
         out = Path(args.out) / f"host_breakdown_{name}_{today}.json"
         out.parent.mkdir(parents=True, exist_ok=True)
         meta = dict(gpu=torch.cuda.get_device_name(), date=today, torch=torch.__version__,
-                    steps=args.steps, unit="us (rows visited and record bytes: counts)")
+                    steps=args.steps, conditions=CONDITIONS,
+                    unit="us (rows visited and record bytes: counts)")
         out.write_text(json.dumps(dict(meta=meta, rows=results), indent=1))
         print(f"wrote {out}")
 

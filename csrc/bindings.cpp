@@ -225,6 +225,23 @@ void apply_accepted(zos::StepPacker& self, const py::handle& accepted, int64_t s
 PYBIND11_MODULE(_C, m) {
   m.doc() = "zos native core: request remap and the packing of a decode step's staging record.";
 
+  m.def("launch_graph", &zos::launch_graph, py::arg("graph_exec"), py::arg("stream"),
+        R"doc(Launch an instantiated CUDA graph on a stream, in the CUDA context current on this
+thread (``cuGraphLaunch``).
+
+Args:
+    graph_exec (int): a ``cudaGraphExec_t``, e.g. ``torch.cuda.CUDAGraph.raw_cuda_graph_exec()``;
+        the graph must outlive the launch's completion.
+    stream (int): a ``cudaStream_t`` of the graph's device (0: the legacy default stream).
+
+It skips what ``torch.cuda.CUDAGraph.replay`` adds around the launch: the refill of each
+registered random generator's state (two small fill kernels), which only a graph that draws
+random numbers needs. zos's prep graphs draw none.
+
+Raises:
+    RuntimeError: the driver cannot be loaded, or rejects the launch (message from
+        cuGetErrorString).)doc");
+
   m.def("compute_remap", &compute_remap, py::arg("prev_req_ids"), py::arg("curr_req_ids"),
         py::arg("out"),
         R"doc(Remap between two consecutive decode batches.

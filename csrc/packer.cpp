@@ -20,6 +20,20 @@ void check_row(const char* field, int64_t k, int64_t row, int64_t n) {
          " is outside [0, " + std::to_string(n) + ")");
 }
 
+// Index of the first of ids[0, count) outside [lo, hi), or -1: one branch-free pass (an
+// unsigned compare per id, OR-reduced), compiled for AVX2 too where the CPU has it; the
+// offender is looked for only on failure.
+__attribute__((target_clones("avx2", "default")))
+int64_t first_outside(const int32_t* __restrict ids, int64_t count, int64_t lo, int64_t hi) {
+  const auto base = static_cast<uint32_t>(lo), span = static_cast<uint32_t>(hi - lo);
+  uint32_t bad = 0;
+  for (int64_t e = 0; e < count; ++e) bad |= static_cast<uint32_t>(ids[e]) - base >= span;
+  if (!bad) return -1;
+  int64_t e = 0;
+  while (static_cast<uint32_t>(ids[e]) - base < span) ++e;
+  return e;
+}
+
 std::string row_str(int64_t row, int64_t id) {
   return "row " + std::to_string(row) + " (request " + std::to_string(id) + ")";
 }
@@ -44,19 +58,12 @@ StepPacker::StepPacker(const PackerConfig& cfg) : cfg_(cfg), index_(cfg.max_num_
          (cfg.null_block == 0 ? " (block 0 is reserved)" : "") + ", got " +
          std::to_string(cfg.num_kv_blocks));
   const size_t r = static_cast<size_t>(cfg.max_num_reqs);
+  rows_.assign(r, RowState{});
   ids_.assign(r, 0);
-  key_.assign(r, 0);
+  for (RowState& row : rows_) row.adv = static_cast<int32_t>(cfg.q);
   t_key_.assign(r, 0);
-  deadline_.assign(r, -1);
-  for (auto* v : {&nb_, &t_nb_, &t_assumed_, &rec_of_row_, &app_count_, &app_start_,
-                  &claim_row_, &remap_, &src_of_, &rw_of_row_})
-    v->assign(r, 0);
-  adv_.assign(r, static_cast<int32_t>(cfg.q));
-  assumed_.assign(r, -1);
-  dl_next_.assign(r, -1);
-  dl_prev_.assign(r, -1);
-  for (auto* v : {&rec_stamp_, &app_stamp_, &claim_stamp_, &touch_stamp_, &rw_stamp_})
-    v->assign(r, 0);
+  t_nb_.assign(r, 0);
+  t_assumed_.assign(r, 0);
   // Deadlines lie at most max_num_blocks_per_req * block_size packs ahead; buckets
   // beyond 4096 would only save the rare visit of a row whose deadline is a lap ahead.
   const int64_t horizon = cfg.max_num_blocks_per_req * cfg.block_size + 1;
@@ -64,7 +71,7 @@ StepPacker::StepPacker(const PackerConfig& cfg) : cfg_(cfg), index_(cfg.max_num_
   while (buckets < horizon && buckets < 4096) buckets <<= 1;
   dl_head_.assign(static_cast<size_t>(buckets), -1);
   dl_mask_ = buckets - 1;
-  for (auto* v : {&moved_, &app_rows_, &touched_, &listed_}) v->reserve(r);
+  for (auto* v : {&moved_, &app_rows_, &app_cursor_, &touched_, &listed_}) v->reserve(r);
   touch_bits_.assign((r + 63) / 64, 0);
 }
 
@@ -73,25 +80,27 @@ void StepPacker::reset() {
   prev_prev_n_ = 0;
   index_.clear();
   std::fill(dl_head_.begin(), dl_head_.end(), -1);
-  std::fill(deadline_.begin(), deadline_.end(), -1);
+  for (RowState& row : rows_) row.dl_prev = kUnlinked;
 }
 
-void StepPacker::link(int32_t row, int64_t deadline) {
-  int32_t& head = dl_head_[deadline & dl_mask_];
-  dl_prev_[row] = -1;
-  dl_next_[row] = head;
-  if (head >= 0) dl_prev_[head] = row;
+// Links `row` into the list of its deadline (from its nb and key: set them first).
+void StepPacker::link(int32_t row) {
+  RowState& r = rows_[row];
+  int32_t& head = dl_head_[deadline(r) & dl_mask_];
+  r.dl_prev = -1;
+  r.dl_next = head;
+  if (head >= 0) rows_[head].dl_prev = row;
   head = row;
-  deadline_[row] = deadline;
 }
 
+// Unlinks `row` from the list of its deadline (before its nb or key change).
 void StepPacker::unlink(int32_t row) {
-  if (deadline_[row] < 0) return;
-  const int32_t prev = dl_prev_[row], next = dl_next_[row];
-  if (prev >= 0) dl_next_[prev] = next;
-  else dl_head_[deadline_[row] & dl_mask_] = next;
-  if (next >= 0) dl_prev_[next] = prev;
-  deadline_[row] = -1;
+  RowState& r = rows_[row];
+  if (r.dl_prev == kUnlinked) return;
+  if (r.dl_prev >= 0) rows_[r.dl_prev].dl_next = r.dl_next;
+  else dl_head_[deadline(r) & dl_mask_] = r.dl_next;
+  if (r.dl_next >= 0) rows_[r.dl_next].dl_prev = r.dl_prev;
+  r.dl_prev = kUnlinked;
 }
 
 // With q > 1 a carried row advances by its accepted count, which reaches the host
@@ -112,20 +121,25 @@ void StepPacker::apply_accepted(const int32_t* accepted, int64_t n, int64_t step
            " is outside [1, q = " + std::to_string(cfg_.q) + "]");
   if (cfg_.q == 1) return;  // every count is 1: the mirror is exact already
   if (steps_ago == 0) {
-    std::copy_n(accepted, n, adv_.begin());
+    for (int64_t i = 0; i < n; ++i) rows_[i].adv = accepted[i];
     return;
   }
   for (int64_t i = 0; i < prev_n_; ++i) {
-    const int32_t j = assumed_[i];
-    if (j >= 0) {
-      key_[i] -= cfg_.q - accepted[j];
-      assumed_[i] = -1;
+    RowState& r = rows_[i];
+    if (r.assumed >= 0) {
+      r.key -= cfg_.q - accepted[r.assumed];
+      r.assumed = -1;
     }
   }
 }
 
+void StepPacker::prefetch_rows(const int32_t* rows, int64_t count) const {
+  for (int64_t k = 0; k < count; ++k)
+    if (static_cast<uint64_t>(rows[k]) < rows_.size()) __builtin_prefetch(&rows_[rows[k]]);
+}
+
 // moved_: rows whose request is not the one the row held in the previous step
-// (new, or moved in), remap_[i] for them = the previous row of that request, or -1.
+// (new, or moved in), rows_[i].remap for them = the previous row of that request, or -1.
 // Rows that keep their request are found by a block compare of the request ids,
 // without a per-row branch. Duplicate ids in curr are caught: a previous row
 // claimed twice (or claimed while its request stays in place), or a new id seen
@@ -134,16 +148,30 @@ void StepPacker::find_changed(const StepInput& in) {
   const int64_t n = in.n, common = std::min(n, prev_n_);
   const int64_t* curr = in.req_ids;
   const int64_t* prev = ids_.data();
-  constexpr int64_t kBlock = 16;
-  moved_.clear();
+  // Blocks of 8 ids (one cache line): a block without a change costs one OR of XORs; in one
+  // with a change each row is appended without a branch (a changed row lies anywhere, so a
+  // branch on it would mispredict).
+  constexpr int64_t kBlock = 8;
+  moved_.resize(static_cast<size_t>(n));
+  int32_t* moved = moved_.data();
+  int64_t count = 0;
   for (int64_t i0 = 0; i0 < common; i0 += kBlock) {
-    const int64_t len = std::min(kBlock, common - i0);
-    if (std::memcmp(curr + i0, prev + i0, static_cast<size_t>(len) * sizeof(int64_t)) == 0)
-      continue;
-    for (int64_t i = i0; i < i0 + len; ++i)
-      if (curr[i] != prev[i]) moved_.push_back(static_cast<int32_t>(i));
+    const int64_t end = std::min(i0 + kBlock, common);
+    uint64_t diff = 0;
+    for (int64_t i = i0; i < end; ++i) diff |= static_cast<uint64_t>(curr[i] ^ prev[i]);
+    if (diff == 0) continue;
+    for (int64_t i = i0; i < end; ++i) {
+      moved[count] = static_cast<int32_t>(i);
+      count += curr[i] != prev[i];
+    }
   }
-  for (int64_t i = common; i < n; ++i) moved_.push_back(static_cast<int32_t>(i));
+  for (int64_t i = common; i < n; ++i) moved[count++] = static_cast<int32_t>(i);
+  moved_.resize(static_cast<size_t>(count));
+  for (int32_t i : moved_) {  // found above: their lookups (and the erases in commit) follow
+    index_.prefetch(curr[i]);
+    if (i < prev_n_) index_.prefetch(prev[i]);
+    __builtin_prefetch(&rows_[i]);
+  }
   new_ids_.reset(static_cast<int64_t>(moved_.size()));
   auto duplicate = [&](int64_t id, int64_t a, int64_t b) {
     fail("req_ids: request id " + std::to_string(id) + " appears twice, at positions " +
@@ -153,14 +181,15 @@ void StepPacker::find_changed(const StepInput& in) {
     const int32_t j = index_.find(curr[i]);
     if (j >= 0) {
       if (j < n && same_request(in, j)) duplicate(curr[i], j, i);
-      if (claim_stamp_[j] == stamp_) duplicate(curr[i], claim_row_[j], i);
-      claim_stamp_[j] = stamp_;
-      claim_row_[j] = i;
+      if (has(j, kClaimed))  // the row that claimed j first holds remap j
+        for (int32_t first : moved_)
+          if (first < i && rows_[first].remap == j) duplicate(curr[i], first, i);
+      mark(j, kClaimed);
     } else {
       const int32_t first = new_ids_.insert(curr[i], i);
       if (first >= 0) duplicate(curr[i], first, i);
     }
-    remap_[i] = j;
+    rows_[i].remap = j;  // the stamp of row i is not needed: remap is read for moved rows only
   }
 }
 
@@ -174,11 +203,11 @@ void StepPacker::validate_new_rows(const StepInput& in) {
   for (int64_t k = 0; k < in.m; ++k) {
     const int64_t row = in.new_rows[k];
     check_row("new_rows", k, row, in.n);
-    if (rec_stamp_[row] == stamp_)
+    if (is_new(row))
       fail("new_rows: row " + std::to_string(row) + " appears twice, at positions " +
-           std::to_string(rec_of_row_[row]) + " and " + std::to_string(k));
-    rec_stamp_[row] = stamp_;
-    rec_of_row_[row] = static_cast<int32_t>(k);
+           std::to_string(rows_[row].rec) + " and " + std::to_string(k));
+    mark(row, kNew);
+    rows_[row].rec = static_cast<int32_t>(k);
     auto who = [&] { return row_str(row, in.req_ids[row]); };  // built only on failure
     const int64_t tok = in.new_tokens[k], pos = in.new_positions[k];
     if (tok < 0 || tok >= cfg_.vocab_size)
@@ -197,17 +226,10 @@ void StepPacker::validate_new_rows(const StepInput& in) {
       fail("new_block_ids: " + who() + " at position " + std::to_string(pos) + " needs " +
            std::to_string((pos + cfg_.q - 1) / cfg_.block_size + 1) + " blocks, got " + std::to_string(hi - lo));
   }
-  // Block ids: one branch-free min/max pass; the offender is looked up only on failure.
-  int32_t lo_id = INT32_MAX, hi_id = INT32_MIN;
-  const int32_t* __restrict ids = in.new_block_ids;
-  for (int64_t e = 0; e < in.l; ++e) {
-    lo_id = std::min(lo_id, ids[e]);
-    hi_id = std::max(hi_id, ids[e]);
-  }
   const int64_t first = cfg_.first_block_id();
-  if (in.l > 0 && (lo_id < first || hi_id >= cfg_.num_kv_blocks)) {
-    int64_t e = 0;
-    while (ids[e] >= first && ids[e] < cfg_.num_kv_blocks) ++e;
+  const int64_t e = first_outside(in.new_block_ids, in.l, first, cfg_.num_kv_blocks);
+  if (e >= 0) {
+    const int32_t* ids = in.new_block_ids;
     const int64_t k = std::upper_bound(in.new_block_indptr, in.new_block_indptr + in.m + 1, e) -
                       in.new_block_indptr - 1;
     fail("new_block_ids: " + row_str(in.new_rows[k], in.req_ids[in.new_rows[k]]) +
@@ -229,12 +251,12 @@ void StepPacker::validate_appends(const StepInput& in) {
     if (b < cfg_.first_block_id() || b >= cfg_.num_kv_blocks)
       fail("append_block_ids: " + who() + " gets block id " + std::to_string(b) + " outside [" +
            std::to_string(cfg_.first_block_id()) + ", " + std::to_string(cfg_.num_kv_blocks) + ")");
-    if (app_stamp_[row] != stamp_) {
-      app_stamp_[row] = stamp_;
-      app_count_[row] = 0;
+    if (!has(row, kAppended)) {
+      mark(row, kAppended);
+      rows_[row].apps = 0;
       app_rows_.push_back(static_cast<int32_t>(row));
     }
-    ++app_count_[row];
+    ++rows_[row].apps;
   }
   // Records of appended rows in row order (schedulers usually list appends in row order).
   if (!std::is_sorted(app_rows_.begin(), app_rows_.end()))
@@ -264,11 +286,11 @@ void StepPacker::validate_rewrites(const StepInput& in) {
     if (apps(row) > 0)
       fail("rewrite_rows: " + who() + " also has append_rows entries; end its "
            "rewrite_block_ids with the appended blocks instead");
-    if (rw_stamp_[row] == stamp_)
+    if (has(row, kRewritten))
       fail("rewrite_rows: row " + std::to_string(row) + " appears twice, at positions " +
-           std::to_string(rw_of_row_[row]) + " and " + std::to_string(k));
-    rw_stamp_[row] = stamp_;
-    rw_of_row_[row] = static_cast<int32_t>(k);
+           std::to_string(rows_[row].rw) + " and " + std::to_string(k));
+    mark(row, kRewritten);
+    rows_[row].rw = static_cast<int32_t>(k);
     const int64_t count = indptr[k + 1] - indptr[k];
     if (count > cfg_.max_num_blocks_per_req)
       fail("rewrite_block_ids: " + who() + " has " + std::to_string(count) +
@@ -276,14 +298,13 @@ void StepPacker::validate_rewrites(const StepInput& in) {
            std::to_string(cfg_.max_num_blocks_per_req));
   }
   const int64_t first = cfg_.first_block_id();
-  for (int64_t e = 0; e < in.y; ++e) {
-    const int32_t b = in.rewrite_block_ids[e];
-    if (b >= first && b < cfg_.num_kv_blocks) continue;
+  const int64_t e = first_outside(in.rewrite_block_ids, in.y, first, cfg_.num_kv_blocks);
+  if (e >= 0) {
     const int64_t k = std::upper_bound(indptr, indptr + in.x + 1, e) - indptr - 1;
     fail("rewrite_block_ids: " + row_str(in.rewrite_rows[k], in.req_ids[in.rewrite_rows[k]]) +
-         " has block id " + std::to_string(b) + " outside [" + std::to_string(first) + ", " +
-         std::to_string(cfg_.num_kv_blocks) + ") (the null block is " +
-         std::to_string(cfg_.null_block) + ")");
+         " has block id " + std::to_string(in.rewrite_block_ids[e]) + " outside [" +
+         std::to_string(first) + ", " + std::to_string(cfg_.num_kv_blocks) +
+         ") (the null block is " + std::to_string(cfg_.null_block) + ")");
   }
 }
 
@@ -294,7 +315,7 @@ void StepPacker::collect_touched(const StepInput& in) {
   touched_.clear();
   if (cfg_.q > 1) {  // every row (positions advance by per-row accepted counts)
     for (int64_t i = 0; i < in.n; ++i) {
-      touch_stamp_[i] = stamp_;  // the dense record and check_deadlines read the stamps
+      mark(i, kTouched);  // the dense record reads the flag
       touched_.push_back(static_cast<int32_t>(i));
     }
     return;
@@ -303,8 +324,8 @@ void StepPacker::collect_touched(const StepInput& in) {
   // up to the highest row touched (16 words at N = 1,024), the words cleared as they are read.
   int32_t hi = -1;
   auto touch = [&](int32_t row) {
-    if (touch_stamp_[row] == stamp_) return;
-    touch_stamp_[row] = stamp_;
+    if (has(row, kTouched)) return;
+    mark(row, kTouched);
     touch_bits_[static_cast<size_t>(row) >> 6] |= uint64_t{1} << (row & 63);
     hi = std::max(hi, row);
   };
@@ -339,34 +360,36 @@ void StepPacker::collect_touched(const StepInput& in) {
        std::to_string(nb) + " blocks; append a block");
 }
 
-// The next state of every touched row, into t_*; src_of_[row] = its previous row.
+// The next state of every touched row, into t_*; rows_[row].src = its previous row.
 void StepPacker::compute_touched(const StepInput& in) {
   const int64_t q = cfg_.q, bs = cfg_.block_size, w = cfg_.max_num_blocks_per_req;
   const int64_t s = step_ + 1;
   for (size_t k = 0; k < touched_.size(); ++k) {
     const int32_t i = touched_[k];
+    RowState& row = rows_[i];
     if (is_new(i)) {
-      const int32_t r = rec_of_row_[i];
+      const int32_t r = row.rec;
       t_key_[k] = in.new_positions[r] - q * s;
       t_nb_[k] = in.new_block_indptr[r + 1] - in.new_block_indptr[r];
       t_assumed_[k] = -1;
-      src_of_[i] = -1;
+      row.src = -1;
       continue;
     }
-    const int32_t j = same_request(in, i) ? i : remap_[i];
+    const int32_t j = same_request(in, i) ? i : row.remap;
     if (j < 0)
       fail("new_rows: " + row_str(i, in.req_ids[i]) +
            " was not in the previous step and has no new-row payload");
-    const int64_t pos = key_[j] + q * step_ + adv_[j];
+    const RowState& prev = rows_[j];
+    const int64_t pos = prev.key + q * step_ + prev.adv;
     const int32_t kw = rewrite_of(i);  // a rewritten row brings its whole list
     const int64_t nb = kw >= 0 ? in.rewrite_block_indptr[kw + 1] - in.rewrite_block_indptr[kw]
-                               : nb_[j] + apps(i);
+                               : prev.nb + apps(i);
     if (nb > w || pos + q > nb * bs) fail_blocks(in, i, pos, nb, kw >= 0);  // no division here
     t_key_[k] = pos - q * s;
     t_nb_[k] = static_cast<int32_t>(nb);
     // q > 1: a count still assumed (q) is corrected when it arrives, steps_ago = 1.
-    t_assumed_[k] = (q > 1 && adv_[j] == q) ? j : -1;
-    src_of_[i] = j;
+    t_assumed_[k] = (q > 1 && prev.adv == q) ? j : -1;
+    row.src = j;
   }
 }
 
@@ -377,10 +400,11 @@ int64_t StepPacker::check_deadlines(const StepInput& in) {
   if (cfg_.q > 1) return 0;
   const int64_t s = step_ + 1;
   int64_t visited = 0;
-  for (int32_t row = dl_head_[s & dl_mask_]; row >= 0; row = dl_next_[row]) {
+  for (int32_t row = dl_head_[s & dl_mask_]; row >= 0; row = rows_[row].dl_next) {
     ++visited;
-    if (deadline_[row] != s || row >= in.n || touch_stamp_[row] == stamp_) continue;
-    fail_blocks(in, row, key_[row] + s, nb_[row]);  // kept its request, got no block
+    const RowState& r = rows_[row];
+    if (deadline(r) != s || row >= in.n || has(row, kTouched)) continue;
+    fail_blocks(in, row, r.key + s, r.nb);  // kept its request, got no block
   }
   return visited;
 }
@@ -412,26 +436,26 @@ void StepPacker::write_record(const StepInput& in, int32_t* out, int32_t seq) {
   }
   // Appended blocks, grouped by row (rows in row order, blocks in input order).
   int64_t off = in.l;
+  app_cursor_.resize(app_rows_.size());
   for (size_t e = 0; e < app_rows_.size(); ++e) {
-    const int32_t i = app_rows_[e];
-    rec_stamp_[i] = stamp_;
-    rec_of_row_[i] = static_cast<int32_t>(in.m + e);
-    app_start_[i] = static_cast<int32_t>(off);
+    RowState& row = rows_[app_rows_[e]];
+    row.rec = static_cast<int32_t>(in.m + e);
+    app_cursor_[e] = static_cast<int32_t>(off);
     int32_t* r = records + st::kRecordWords * (in.m + e);
     r[st::kToken] = -1;
     r[st::kPos0] = -1;
-    r[st::kCol0] = nb_[src_of_[i]];
-    r[st::kCount] = app_count_[i];
+    r[st::kCol0] = rows_[row.src].nb;
+    r[st::kCount] = row.apps;
     r[st::kBlkOff] = static_cast<int32_t>(off);
-    off += app_count_[i];
+    off += row.apps;
   }
-  for (int64_t e = 0; e < in.a; ++e) blocks[app_start_[in.append_rows[e]]++] = in.append_block_ids[e];
+  for (int64_t e = 0; e < in.a; ++e)
+    blocks[app_cursor_[rows_[in.append_rows[e]].rec - in.m]++] = in.append_block_ids[e];
   // Rewritten rows: each one's whole list (col0 = 0, token = pos0 = -1), in rewrite_rows order.
   std::copy_n(in.rewrite_block_ids, in.y, blocks + in.l + in.a);
   for (int64_t k = 0; k < in.x; ++k) {
     const int32_t i = in.rewrite_rows[k];
-    rec_stamp_[i] = stamp_;
-    rec_of_row_[i] = static_cast<int32_t>(m_app + k);
+    rows_[i].rec = static_cast<int32_t>(m_app + k);
     int32_t* r = records + st::kRecordWords * (m_app + k);
     r[st::kToken] = -1;
     r[st::kPos0] = -1;
@@ -445,42 +469,44 @@ void StepPacker::write_record(const StepInput& in, int32_t* out, int32_t seq) {
     e[st::kListSrc] = src;
     e[st::kListRec] = rec;
   };
-  auto rec_of = [&](int32_t row) { return rec_stamp_[row] == stamp_ ? rec_of_row_[row] : -1; };
+  // A row has a record when it is new, appended to or rewritten (rec set above or in
+  // validate_new_rows).
+  auto rec_of = [&](int32_t row) {
+    return has(row, kNew | kAppended | kRewritten) ? rows_[row].rec : -1;
+  };
   if (list_every_row) {  // dense: every row, an unchanged one as (row, row, -1)
     for (int64_t i = 0; i < n; ++i) {
-      const bool t = touch_stamp_[i] == stamp_;
-      entry(i, static_cast<int32_t>(i), t ? src_of_[i] : static_cast<int32_t>(i),
-            rec_of(static_cast<int32_t>(i)));
+      const auto row = static_cast<int32_t>(i);
+      entry(i, row, has(row, kTouched) ? rows_[row].src : row, rec_of(row));
     }
   } else {
-    for (size_t k = 0; k < listed_.size(); ++k) entry(k, listed_[k], src_of_[listed_[k]],
-                                                      rec_of(listed_[k]));
+    for (size_t k = 0; k < listed_.size(); ++k)
+      entry(k, listed_[k], rows_[listed_[k]].src, rec_of(listed_[k]));
   }
 }
 
 // Everything is valid and written: the mirror, the deadlines and the index follow.
 void StepPacker::commit(const StepInput& in) {
-  const int64_t n = in.n, p = prev_n_, q = cfg_.q, bs = cfg_.block_size;
+  const int64_t n = in.n, p = prev_n_, q = cfg_.q;
   const int64_t s = step_ + 1;
   if (q == 1)
     for (int64_t j = n; j < p; ++j) unlink(static_cast<int32_t>(j));  // rows gone
   for (size_t k = 0; k < touched_.size(); ++k) {
     const int32_t i = touched_[k];
-    key_[i] = t_key_[k];
-    nb_[i] = t_nb_[k];
-    adv_[i] = static_cast<int32_t>(q);  // worst case until counts arrive
-    assumed_[i] = t_assumed_[k];
-    if (q == 1) {
-      unlink(i);
-      link(i, t_nb_[k] * bs - t_key_[k]);  // first pack at which key + s + 1 > nb * bs
-    }
+    RowState& r = rows_[i];
+    if (q == 1) unlink(i);  // from the list of its old deadline
+    r.key = t_key_[k];
+    r.nb = t_nb_[k];
+    r.adv = static_cast<int32_t>(q);  // worst case until counts arrive
+    r.assumed = t_assumed_[k];
+    if (q == 1) link(i);  // deadline: the first pack at which key + s + 1 > nb * bs
   }
   // The index: requests that left (their row changed and nobody claimed it) go, moved
   // and new requests take their rows.
   for (int32_t j : moved_)
-    if (j < p && claim_stamp_[j] != stamp_) index_.erase(ids_[j]);
+    if (j < p && !has(j, kClaimed)) index_.erase(ids_[j]);
   for (int64_t j = n; j < p; ++j)
-    if (claim_stamp_[j] != stamp_) index_.erase(ids_[j]);
+    if (!has(j, kClaimed)) index_.erase(ids_[j]);
   for (int32_t i : moved_) {
     index_.assign(in.req_ids[i], i);
     ids_[i] = in.req_ids[i];
@@ -497,11 +523,15 @@ int64_t StepPacker::pack(const StepInput& in, int32_t* out, int64_t capacity, in
     fail("req_ids: " + std::to_string(n) + " rows exceed max_num_reqs = " +
          std::to_string(cfg_.max_num_reqs));
   if (++stamp_ == 0) {  // wrapped: old stamps could look current
-    for (auto* v : {&rec_stamp_, &app_stamp_, &claim_stamp_, &touch_stamp_, &rw_stamp_})
-      std::fill(v->begin(), v->end(), 0);
+    for (RowState& row : rows_) row.stamp = 0;
     stamp_ = 1;
   }
-  new_records_ = in.m;
+  // The rows and request ids this pack will look up lie anywhere in the packer's state, which
+  // the scheduler's work since the last step has likely evicted: start loading them all
+  // at once, so that their cache misses overlap (they cost ~0.1 us each one after another).
+  prefetch_rows(in.new_rows, in.m);
+  prefetch_rows(in.append_rows, in.a);
+  prefetch_rows(in.rewrite_rows, in.x);
   find_changed(in);
   validate_new_rows(in);
   validate_appends(in);
@@ -514,7 +544,7 @@ int64_t StepPacker::pack(const StepInput& in, int32_t* out, int64_t capacity, in
   listed_.clear();
   if (!list_every_row)
     for (int32_t i : touched_)
-      if (src_of_[i] != i || is_new(i) || apps(i) > 0 || rewrite_of(i) >= 0)
+      if (rows_[i].src != i || has(i, kNew | kAppended | kRewritten))
         listed_.push_back(i);
   const int64_t c = list_every_row ? n : static_cast<int64_t>(listed_.size());
   const int64_t words = st::total_words(c, in.m + static_cast<int64_t>(app_rows_.size()) + in.x,

@@ -59,9 +59,8 @@ int32_t RowIndex::find(int64_t key) const {
 
 RequestIndex::RequestIndex(int64_t max_keys) {
   uint64_t cap = 16;
-  while (cap < static_cast<uint64_t>(2 * max_keys)) cap <<= 1;
-  keys_.assign(cap, 0);
-  rows_.assign(cap, -1);
+  while (cap < static_cast<uint64_t>(4 * max_keys)) cap <<= 1;
+  slots_.assign(cap, Slot{0, -1, 0});
   mask_ = cap - 1;
 }
 
@@ -69,39 +68,41 @@ uint64_t RequestIndex::home(int64_t key) const { return mix(static_cast<uint64_t
 
 int32_t RequestIndex::find(int64_t key) const {
   for (uint64_t h = home(key);; h = (h + 1) & mask_) {
-    if (rows_[h] < 0) return -1;
-    if (keys_[h] == key) return rows_[h];
+    const Slot& s = slots_[h];
+    if (s.row < 0) return -1;
+    if (s.key == key) return s.row;
   }
 }
 
 void RequestIndex::assign(int64_t key, int32_t row) {
-  uint64_t h = home(key);
-  while (rows_[h] >= 0 && keys_[h] != key) h = (h + 1) & mask_;
-  keys_[h] = key;
-  rows_[h] = row;
+  const uint64_t at = home(key);
+  uint64_t h = at;
+  while (slots_[h].row >= 0 && slots_[h].key != key) h = (h + 1) & mask_;
+  slots_[h] = Slot{key, row, static_cast<uint32_t>(at)};
 }
 
 void RequestIndex::erase(int64_t key) {
   uint64_t i = home(key);
   while (true) {
-    if (rows_[i] < 0) return;
-    if (keys_[i] == key) break;
+    if (slots_[i].row < 0) return;
+    if (slots_[i].key == key) break;
     i = (i + 1) & mask_;
   }
   // Backward shift: pull later entries of the probe run into the hole unless
   // their home lies cyclically in (hole, entry].
-  for (uint64_t j = (i + 1) & mask_; rows_[j] >= 0; j = (j + 1) & mask_) {
-    const uint64_t k = home(keys_[j]);
+  for (uint64_t j = (i + 1) & mask_; slots_[j].row >= 0; j = (j + 1) & mask_) {
+    const uint64_t k = slots_[j].home;
     const bool stays = (i <= j) ? (i < k && k <= j) : (i < k || k <= j);
     if (stays) continue;
-    keys_[i] = keys_[j];
-    rows_[i] = rows_[j];
+    slots_[i] = slots_[j];
     i = j;
   }
-  rows_[i] = -1;
+  slots_[i].row = -1;
 }
 
-void RequestIndex::clear() { std::fill(rows_.begin(), rows_.end(), -1); }
+void RequestIndex::clear() {
+  for (Slot& s : slots_) s.row = -1;
+}
 
 int64_t RemapTable::compute(const int64_t* prev, int64_t p, const int64_t* curr, int64_t n,
                             int32_t* out) {

@@ -29,6 +29,7 @@ struct Driver {
   CUresult (*device_get)(int*, int);
   CUresult (*primary_ctx_retain)(void**, int);
   CUresult (*primary_ctx_release)(int);
+  CUresult (*graph_launch)(void*, void*);
 };
 
 const Driver& driver() {
@@ -63,6 +64,7 @@ const Driver& driver() {
         reinterpret_cast<decltype(r.primary_ctx_retain)>(sym("cuDevicePrimaryCtxRetain"));
     r.primary_ctx_release =
         reinterpret_cast<decltype(r.primary_ctx_release)>(sym("cuDevicePrimaryCtxRelease_v2"));
+    r.graph_launch = reinterpret_cast<decltype(r.graph_launch)>(sym("cuGraphLaunch"));
     return r;
   }();
   return d;
@@ -284,6 +286,11 @@ void MappedRing::synchronize() {
     pending_ = -1;
   }
   for (auto* f : fence_) check(d.event_synchronize(f), "cuEventSynchronize");
+}
+
+void launch_graph(uint64_t graph_exec, uint64_t stream) {
+  check(driver().graph_launch(reinterpret_cast<void*>(graph_exec), reinterpret_cast<void*>(stream)),
+        "cuGraphLaunch");
 }
 
 }  // namespace zos

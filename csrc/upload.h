@@ -106,4 +106,10 @@ class MappedRing {
   void* staged_ = nullptr;
 };
 
+// Launches an instantiated CUDA graph (a CUgraphExec, i.e. a cudaGraphExec_t) on `stream`
+// in the context current on this thread: the one driver call of a graph replay, without
+// torch's per-replay RNG prologue (two fills of its generator state), which a graph that
+// draws no random numbers does not need. Throws std::runtime_error if the driver fails.
+void launch_graph(uint64_t graph_exec, uint64_t stream);
+
 }  // namespace zos

@@ -6,7 +6,7 @@ from zos._interpret import check_triton_device
 import numpy as np
 import torch
 
-from zos._C import PinnedUpload
+from zos._C import PinnedUpload, launch_graph
 from zos._checks import check_int
 from zos.backend import MetadataBackend, StepPlan
 from zos.buckets import BucketTable
@@ -136,6 +136,7 @@ class DeviceMetadataBackend(MetadataBackend):
             self._prep_args = dict(ring=buffers.staging, num_slots=1, slot_words=words,
                                    state=self._prep)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._graph_execs: dict[int, int] = {}  # padded size -> its graph's cudaGraphExec_t
         self._take_over()
         if capture_prep and cuda and buckets is not None:
             self._capture(buckets)
@@ -252,7 +253,12 @@ class DeviceMetadataBackend(MetadataBackend):
             self.buffers.counts.zero_()
         else:
             graph = self._graphs.get(padded_size)
-            if graph is not None:
+            if graph is not None and torch._C._cuda_getDevice() == self._device_index:
+                # One cuGraphLaunch on the current stream: replay() would also refill the
+                # random generators' state (two fills), which the prep graph does not read.
+                launch_graph(self._graph_execs[padded_size],
+                             torch._C._cuda_getCurrentRawStream(self._device_index))
+            elif graph is not None:  # another device is current: replay() switches to ours
                 graph.replay()
             else:
                 launch_prep(self.buffers, padded_size, **self._prep_args)
@@ -287,3 +293,4 @@ class DeviceMetadataBackend(MetadataBackend):
         self.buffers.staging[:HEADER_WORDS].zero_()
         self._graphs = capture_per_bucket(
             buckets.sizes, lambda s: launch_prep(self.buffers, s, **self._prep_args))
+        self._graph_execs = {s: g.raw_cuda_graph_exec() for s, g in self._graphs.items()}
