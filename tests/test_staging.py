@@ -462,3 +462,45 @@ def test_pack_step_reads_a_decode_step_like_pack():
     with pytest.raises(ValueError, match="appears twice"):
         by_step.pack_step(bad, out)
     assert (out == before).all()
+
+
+@pytest.mark.parametrize("num_kv_blocks,null_block", [(64, 0), (64, 64), (1 << 31, 0),
+                                                       (1 << 40, 0), (1 << 40, 1 << 40)])
+@pytest.mark.parametrize("field", ["new_block_ids", "rewrite_block_ids"])
+@pytest.mark.parametrize("at", [0, 5, 16, 37])
+def test_block_id_range_at_every_offset(num_kv_blocks, null_block, field, at):
+    """The block-id range check (one vectorised pass over new and rewritten rows' ids) against
+    a plain reference: ids in [first, num_kv_blocks) pass (first = 1 when the null block 0
+    lies inside the pool, else 0), every id outside is refused naming the field, the row and
+    the id, at any offset of the list and for pools larger than int32 can name."""
+    first = 1 if null_block == 0 else 0
+    top = min(num_kv_blocks, 1 << 31) - 1  # the largest valid id an int32 can hold
+    ids = np.arange(40, dtype=np.int64) % 5 + first
+    ids[-1] = top
+    bad = [b for b in sorted({first - 1, -5, -(1 << 31), top + 1, num_kv_blocks})
+           if not first <= b <= top and -(1 << 31) <= b < (1 << 31)]  # int32 ids only
+
+    def step(block_ids):
+        if field == "new_block_ids":
+            return DecodeStep.build([7, 8], {0: (1, 0, list(block_ids[:20])),
+                                             1: (2, 0, list(block_ids[20:]))})
+        return DecodeStep.build([7, 8], rewrites={0: list(block_ids[:20]),
+                                                  1: list(block_ids[20:])})
+
+    def packer():
+        p = StepPacker(max_num_reqs=8, uniform_decode_query_len=1, block_size=4,
+                       max_num_blocks_per_req=20, num_kv_blocks=num_kv_blocks, vocab_size=100,
+                       null_block=null_block)
+        if field == "rewrite_block_ids":  # the rows must exist before their lists change
+            pack(p, DecodeStep.build([7, 8], {0: (1, 0, [first]), 1: (2, 0, [first])}))
+        return p
+
+    view, _ = pack(packer(), step(ids), capacity=512)
+    assert view.blocks.tolist() == ids.tolist()
+    for b in bad:
+        wrong = ids.copy()
+        wrong[at] = b
+        row = 0 if at < 20 else 1
+        with pytest.raises(ValueError, match=rf"{field}: row {row} \(request {7 + row}\) has "
+                                             rf"block id {b} outside \[{first}, "):
+            pack(packer(), step(wrong), capacity=512)
