@@ -25,7 +25,7 @@ class Pending:
 
     Attributes:
         rows: what the engine needs to route the tokens: one entry per real row (the engine
-            passes the request of each row).
+            passes the launch, ``zos.serving.row_state.Launch``: the request of each row).
         slot: index of the pinned buffer holding the copy.
         event: CUDA event recorded after the copy (None off CUDA: the copy is synchronous).
     """

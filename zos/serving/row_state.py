@@ -66,15 +66,19 @@ class RowState:
     # ---- a bound request's values (``Request`` properties) -----------------------------------
 
     def num_computed_at(self, row: int) -> int:
+        """num_computed of the request bound to ``row`` (covered - slack)."""
         return int(self.covered[row] - self.slack[row])
 
     def set_num_computed(self, row: int, value: int) -> None:
+        """Set it (the slack follows; the blocks covering positions do not change)."""
         self.slack[row] = self.covered[row] - value
 
     def num_launches_at(self, row: int) -> int:
+        """num_launches of the request bound to ``row`` (launches - its launch base)."""
         return int(self.launches - self.launch_base[row])
 
     def set_num_launches(self, row: int, value: int) -> None:
+        """Set it (the launch base follows)."""
         self.launch_base[row] = self.launches - value
 
     # ---- rows that change (Python, one row at a time) ----------------------------------------
