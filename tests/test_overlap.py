@@ -3,6 +3,7 @@ per-request greedy reference, for both metadata backends, through eos finishes d
 step late, length finishes, preemption with steps in flight, and mid-run admissions."""
 import random
 
+import numpy as np
 import pytest
 
 from zos.serving.engine import Engine, EngineConfig, Request
@@ -56,8 +57,10 @@ def test_readback_ring_refuses_overrun():
     rb.push(sampled + 10, ["c"])
     with pytest.raises(ValueError, match="pending"):
         rb.push(sampled, ["d"])
-    assert rb.pop() == (["a", "b"], [0, 1])
-    assert rb.pop() == (["c"], [10])
+    rows, values = rb.pop()
+    assert rows == ["a", "b"] and values.dtype == np.int32 and values.tolist() == [0, 1]
+    rows, values = rb.pop()
+    assert rows == ["c"] and values.tolist() == [10]
 
 
 @pytest.mark.parametrize("spans, want", [

@@ -3,13 +3,11 @@
 ``Engine.step`` is the same with and without draft tokens; its mode says how many token rows a
 request runs per launch (``q``), which device tensor the read-back copies after each launch
 (``output``, ``width`` int32 values per request row) and how the values read back become the
-tokens each row keeps (``read``). Everything else (blocks, row layout, stop checks, certain
-finishes, dropped tokens) is the scheduler's and does not depend on the mode
-(:mod:`zos.serving.scheduler`).
+tokens each row keeps (``read``: numpy arrays, no loop over the rows). Everything else (blocks,
+row layout, stop checks, certain finishes, dropped tokens) is the scheduler's and does not depend
+on the mode (:mod:`zos.serving.scheduler`).
 """
 from __future__ import annotations
-
-from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -33,11 +31,12 @@ class PlainDecode:
         self.output = buffers.sampled
         self.rows_read = self.tokens_kept = 0
 
-    def read(self, values: Sequence[int], backend, steps_ago: int) -> list[tuple[int]]:
-        """The tokens each row kept: its sampled token (``values``: one host int per row)."""
+    def read(self, values: np.ndarray, backend, steps_ago: int) -> tuple[np.ndarray, None]:
+        """The tokens the rows kept, ``(kept, None)``: each row its sampled token (``values``:
+        int32 [N], one per row; None: one token per row, ``Scheduler.accept_kept``)."""
         self.rows_read += len(values)
         self.tokens_kept += len(values)
-        return list(zip(values))  # one 1-tuple per row
+        return values, None
 
     def write_prompt_history(self, req: Request) -> None:
         """Nothing: plain decode keeps no token history."""
@@ -60,15 +59,17 @@ class SpecDecode:
         self.output = spec.output
         self.rows_read = self.tokens_kept = 0
 
-    def read(self, values: Sequence[Sequence[int]], backend, steps_ago: int) -> list[list[int]]:
-        """The tokens each row kept (``values``: per row ``[a, token_0, ..]``, host ints).
-        First hands the accepted counts to ``backend`` (``observe_accepted``; ``steps_ago``:
-        launches staged after this one, 0 in the synchronous engine, 1 under overlap)."""
-        accepted = np.array([v[0] for v in values], np.int32)
+    def read(self, values: np.ndarray, backend, steps_ago: int) -> tuple[np.ndarray, np.ndarray]:
+        """The tokens the rows kept, ``(kept, counts)`` (``values``: int32 [N, k + 2], per row
+        ``[a, token_0, ..]``): ``counts`` int32 [N] the accepted counts a, ``kept`` int32
+        [sum(a)] row 0's a tokens, then row 1's, ... First hands the counts to ``backend``
+        (``observe_accepted``; ``steps_ago``: launches staged after this one, 0 in the
+        synchronous engine, 1 under overlap)."""
+        accepted = np.ascontiguousarray(values[:, 0])
         backend.observe_accepted(accepted, steps_ago)
         self.rows_read += len(values)
         self.tokens_kept += int(accepted.sum())
-        return [v[1:1 + v[0]] for v in values]
+        return values[:, 1:][np.arange(self.q) < accepted[:, None]], accepted
 
     def write_prompt_history(self, req: Request) -> None:
         """The drafter's history of a request admitted as prefilled: its prompt's tokens at

@@ -10,7 +10,10 @@ One engine step (:meth:`Engine.step`) reads top to bottom: retire the rows that 
 prefill waiting requests, launch one decode of every running row, read back the launches that
 are due. The scheduler (:mod:`zos.serving.scheduler`) decides rows, blocks, preemption and stops;
 the decode mode (:mod:`zos.serving.decode_modes`) is what differs with draft tokens; the launches
-in flight are the one queue of the read-back (:class:`SampledReadback`).
+in flight are the one queue of the read-back (:class:`SampledReadback`). The host work of a
+steady step is a fixed number of numpy ops over the N rows plus Python for the rows that change
+(the scheduler's per-row arrays, :mod:`zos.serving.row_state`), and one loop that appends each
+row's token to its request's output.
 """
 from __future__ import annotations
 
@@ -195,12 +198,12 @@ class Engine:
 
     def _read_back(self, keep: int) -> None:
         """Read launches, oldest first, until ``keep`` remain in flight: each row's kept tokens
-        (the mode's ``read``) go to the scheduler's stop checks."""
+        (the mode's ``read``, numpy arrays) go to the scheduler's stop checks."""
         while len(self.readback.pending) > keep:
-            reqs, values = self.readback.pop()
+            launch, values = self.readback.pop()
             later = len(self.readback.pending)  # launches staged after this one
-            tokens = self.mode.read(values, self.backend, steps_ago=later)
-            self.scheduler.accept(reqs, tokens, more_in_flight=later > 0)
+            kept, counts = self.mode.read(values, self.backend, steps_ago=later)
+            self.scheduler.accept_kept(launch, kept, counts, more_in_flight=later > 0)
 
     def _record(self, kind, path, n, padded, us, nbytes, t0, eager_reason=None) -> StepRecord:
         return StepRecord(self.num_steps, kind, path, n, padded, us, nbytes, self.num_preemptions,

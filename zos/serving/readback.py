@@ -15,6 +15,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -24,7 +25,7 @@ class Pending:
 
     Attributes:
         rows: what the engine needs to route the tokens: one entry per real row (the engine
-            passes the request of each row).
+            passes the launch, ``zos.serving.row_state.Launch``: the request of each row).
         slot: index of the pinned buffer holding the copy.
         event: CUDA event recorded after the copy (None off CUDA: the copy is synchronous).
     """
@@ -56,6 +57,7 @@ class SampledReadback:
         self.cuda, self.width = device.type == "cuda", width
         self._bufs = [torch.zeros((max_num_reqs, width), dtype=torch.int32, pin_memory=self.cuda)
                       for _ in range(depth)]
+        self._views = [b.numpy() for b in self._bufs]  # the same memory, read without torch
         self._events = [torch.cuda.Event() if self.cuda else None for _ in range(depth)]
         self._next = 0
         self.pending: deque[Pending] = deque()
@@ -75,13 +77,13 @@ class SampledReadback:
             self._events[k].record()
         self.pending.append(Pending(rows, k, self._events[k]))
 
-    def pop(self) -> tuple[list, list[int]]:
-        """Wait for the oldest pending copy only; returns its ``rows`` and tokens (host ints;
-        with width > 1 one list of ``width`` ints per row)."""
+    def pop(self) -> tuple[list, np.ndarray]:
+        """Wait for the oldest pending copy only; returns its ``rows`` and a copy of its values:
+        int32 [len(rows)] (width 1: one token per row), else int32 [len(rows), width]."""
         p = self.pending.popleft()
         if p.event is not None:
             t0 = time.perf_counter()
             p.event.synchronize()
             self.wait_seconds += time.perf_counter() - t0
-        got = self._bufs[p.slot][:len(p.rows)]
-        return p.rows, (got[:, 0] if self.width == 1 else got).tolist()
+        got = self._views[p.slot][:len(p.rows)]
+        return p.rows, (got[:, 0] if self.width == 1 else got).copy()

@@ -3,18 +3,22 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from zos._checks import check_int
 from zos.buckets import POLICIES, BucketTable
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, repr=False)
 class Request:
     """One generation request; ``output`` collects the generated token ids (eos kept).
 
     Engine state (not constructor arguments): ``blocks`` (KV block ids held), ``num_computed``
     (tokens in the KV cache), ``finish_reason`` (None, "length" or "eos"), ``num_preemptions``,
-    ``num_launches`` (decode launches that ran it, its prefill not counted).
+    ``num_launches`` (decode launches that ran it, its prefill not counted). While the request
+    holds a decode row, ``num_computed`` and ``num_launches`` live in the scheduler's per-row
+    arrays (``row_state``, a :class:`~zos.serving.row_state.RowState`, at ``row_index``) and the
+    properties read and write them there.
     """
 
     req_id: int
@@ -22,12 +26,60 @@ class Request:
     max_new_tokens: int
     arrival: float = 0.0
     output: list[int] = field(default_factory=list)
-    blocks: list[int] = field(default_factory=list, init=False, repr=False)
-    num_computed: int = field(default=0, init=False, repr=False)
+    blocks: list[int] = field(default_factory=list, init=False)
     finish_reason: str | None = field(default=None, init=False)
     num_preemptions: int = field(default=0, init=False)
-    num_launches: int = field(default=0, init=False)
-    admit_seq: int = field(default=-1, init=False, repr=False)  # admission order, for preemption
+    admit_seq: int = field(default=-1, init=False)  # admission order, for preemption
+    _num_computed: int = field(default=0, init=False)
+    _num_launches: int = field(default=0, init=False)
+    _row_state: Any = field(default=None, init=False)
+    _row_index: int = field(default=-1, init=False)
+
+    @property
+    def num_computed(self) -> int:
+        """Tokens of this request whose KV is in the cache (as of the last launch read)."""
+        s = self._row_state
+        return self._num_computed if s is None else s.num_computed_at(self._row_index)
+
+    @num_computed.setter
+    def num_computed(self, value: int) -> None:
+        if self._row_state is None:
+            self._num_computed = value
+        else:
+            self._row_state.set_num_computed(self._row_index, value)
+
+    @property
+    def num_launches(self) -> int:
+        """Decode launches that ran this request (its prefill not counted)."""
+        s = self._row_state
+        return self._num_launches if s is None else s.num_launches_at(self._row_index)
+
+    @num_launches.setter
+    def num_launches(self, value: int) -> None:
+        if self._row_state is None:
+            self._num_launches = value
+        else:
+            self._row_state.set_num_launches(self._row_index, value)
+
+    @property
+    def row_state(self):
+        """The RowState holding this request's row values, None while it holds no row."""
+        return self._row_state
+
+    @property
+    def row_index(self) -> int:
+        """Its row in ``row_state`` (-1 when unbound)."""
+        return self._row_index
+
+    def bind_row(self, state, row: int) -> None:
+        """Bind to ``row`` of ``state`` (None, -1: unbind); the caller moves the values."""
+        self._row_state, self._row_index = state, row
+
+    def __repr__(self) -> str:
+        return (f"Request(req_id={self.req_id!r}, prompt={self.prompt!r}, "
+                f"max_new_tokens={self.max_new_tokens!r}, arrival={self.arrival!r}, "
+                f"output={self.output!r}, finish_reason={self.finish_reason!r}, "
+                f"num_preemptions={self.num_preemptions!r}, num_launches={self.num_launches!r})")
 
 
 @dataclass
