@@ -13,7 +13,11 @@ call) and prints their medians per step. On the CPU the readback copy is synchro
 """
 from __future__ import annotations
 
-import argparse
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # a CPU benchmark: CPU tensors on a GPU machine too
+
+import argparse  # noqa: E402
 import statistics
 import time
 from collections import defaultdict

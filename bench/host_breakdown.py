@@ -137,7 +137,7 @@ def breakdown(n, mode, steps, count, tiny_graph, condition):
     floor_packer = StepPacker(n, 1, wl.bs, wl.w, wl.num_kv_blocks, 32000)
     out = np.zeros(staging.capacity_words(n, wl.w), np.int32)
     src, dst = out[: int(nbytes) // 4].copy(), np.zeros(int(nbytes) // 4, np.int32)
-    handle = be.stream.cuda_stream
+    handle, dev_index = be.stream.cuda_stream, be.buffers.device.index or 0
     graph_exec = be.prep_graphs[n].raw_cuda_graph_exec()
     tiny_exec = tiny_graph.raw_cuda_graph_exec()
     row = {
@@ -149,14 +149,14 @@ def breakdown(n, mode, steps, count, tiny_graph, condition):
         "rows visited by pack": visited,
         "record bytes": nbytes,
         "graph launch alone (cuGraphLaunch)": med_us(
-            lambda: launch_graph(graph_exec, handle), between, sync_every=64),
+            lambda: launch_graph(graph_exec, handle, dev_index), between, sync_every=64),
         "graph replay alone (torch replay)": med_us(be.prep_graphs[n].replay, between,
                                                     sync_every=64),
         "floor: pack of an empty step (call + checks)": med_us(
             lambda: floor_packer.pack_step(empty, out), between),
         "floor: memcpy of the record's words": med_us(lambda: np.copyto(dst, src), between),
         "floor: cuGraphLaunch of a one-kernel graph": med_us(
-            lambda: launch_graph(tiny_exec, handle), between, sync_every=64),
+            lambda: launch_graph(tiny_exec, handle, dev_index), between, sync_every=64),
     }
     if mode == "mapped":
         ring = StagingRing(4, 64, be.buffers.device)

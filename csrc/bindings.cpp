@@ -226,19 +226,24 @@ PYBIND11_MODULE(_C, m) {
   m.doc() = "zos native core: request remap and the packing of a decode step's staging record.";
 
   m.def("launch_graph", &zos::launch_graph, py::arg("graph_exec"), py::arg("stream"),
-        R"doc(Launch an instantiated CUDA graph on a stream, in the CUDA context current on this
-thread (``cuGraphLaunch``).
+        py::arg("device"),
+        R"doc(Launch an instantiated CUDA graph on a stream (``cuGraphLaunch``), in the device's
+primary context (the one torch uses), whichever context the calling thread has current.
 
 Args:
-    graph_exec (int): a ``cudaGraphExec_t``, e.g. ``torch.cuda.CUDAGraph.raw_cuda_graph_exec()``;
-        the graph must outlive the launch's completion.
-    stream (int): a ``cudaStream_t`` of the graph's device (0: the legacy default stream).
+    graph_exec (int): a ``cudaGraphExec_t`` of ``device``, e.g.
+        ``torch.cuda.CUDAGraph.raw_cuda_graph_exec()`` (torch >= 2.9); the graph must outlive
+        the launch's completion (do not ``reset()`` it).
+    stream (int): a ``cudaStream_t`` of ``device`` (0: the legacy default stream); not one
+        that is capturing (a graph launch cannot be captured this way).
+    device (int): the CUDA device ordinal.
 
 It skips what ``torch.cuda.CUDAGraph.replay`` adds around the launch: the refill of each
 registered random generator's state (two small fill kernels), which only a graph that draws
 random numbers needs. zos's prep graphs draw none.
 
 Raises:
+    ValueError: ``device`` < 0.
     RuntimeError: the driver cannot be loaded, or rejects the launch (message from
         cuGetErrorString).)doc");
 

@@ -23,7 +23,7 @@ void check_row(const char* field, int64_t k, int64_t row, int64_t n) {
 // Index of the first of ids[0, count) outside [lo, hi), or -1: one branch-free pass (an
 // unsigned compare per id, OR-reduced), compiled for AVX2 too where the CPU has it; the
 // offender is looked for only on failure.
-#if defined(__x86_64__) && defined(__GNUC__)
+#if defined(__x86_64__) && defined(__linux__) && defined(__GLIBC__)  // ifunc
 __attribute__((target_clones("avx2", "default")))
 #endif
 int64_t first_outside(const int32_t* __restrict ids, int64_t count, int64_t lo, int64_t hi) {

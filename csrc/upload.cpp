@@ -3,6 +3,7 @@
 #include <dlfcn.h>
 
 #include <algorithm>
+#include <mutex>
 #include <stdexcept>
 #include <string>
 
@@ -35,10 +36,10 @@ struct Driver {
 const Driver& driver() {
   static const Driver d = [] {
     void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
-    if (!lib) throw std::runtime_error(std::string("PinnedUpload: cannot load libcuda.so.1: ") + dlerror());
+    if (!lib) throw std::runtime_error(std::string("zos (CUDA driver): cannot load libcuda.so.1: ") + dlerror());
     auto sym = [lib](const char* name) {
       void* f = dlsym(lib, name);
-      if (!f) throw std::runtime_error(std::string("PinnedUpload: libcuda.so.1 lacks ") + name);
+      if (!f) throw std::runtime_error(std::string("zos (CUDA driver): libcuda.so.1 lacks ") + name);
       return f;
     };
     Driver r;
@@ -74,7 +75,7 @@ void check(CUresult rc, const char* what) {
   if (rc == 0) return;
   const char* msg = nullptr;
   driver().get_error_string(rc, &msg);
-  throw std::runtime_error(std::string("PinnedUpload: ") + what + " failed: " +
+  throw std::runtime_error(std::string("zos (CUDA driver): ") + what + " failed: " +
                            (msg ? msg : "error " + std::to_string(rc)));
 }
 
@@ -288,7 +289,22 @@ void MappedRing::synchronize() {
   for (auto* f : fence_) check(d.event_synchronize(f), "cuEventSynchronize");
 }
 
-void launch_graph(uint64_t graph_exec, uint64_t stream) {
+void launch_graph(uint64_t graph_exec, uint64_t stream, int64_t device) {
+  static std::mutex mu;
+  static std::vector<void*> primary;  // device -> its primary context, retained for good
+  void* ctx = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    if (device < 0) throw std::invalid_argument("launch_graph: device must be >= 0, got " +
+                                                std::to_string(device));
+    if (primary.size() <= static_cast<size_t>(device)) primary.resize(device + 1, nullptr);
+    if (!primary[device]) {
+      int retained = -1;
+      primary[device] = context_of(device, &retained, "launch_graph");
+    }
+    ctx = primary[device];
+  }
+  ContextScope scope(ctx);
   check(driver().graph_launch(reinterpret_cast<void*>(graph_exec), reinterpret_cast<void*>(stream)),
         "cuGraphLaunch");
 }

@@ -106,10 +106,12 @@ class MappedRing {
   void* staged_ = nullptr;
 };
 
-// Launches an instantiated CUDA graph (a CUgraphExec, i.e. a cudaGraphExec_t) on `stream`
-// in the context current on this thread: the one driver call of a graph replay, without
-// torch's per-replay RNG prologue (two fills of its generator state), which a graph that
-// draws no random numbers does not need. Throws std::runtime_error if the driver fails.
-void launch_graph(uint64_t graph_exec, uint64_t stream);
+// Launches an instantiated CUDA graph (a CUgraphExec, i.e. a cudaGraphExec_t) of `device` on
+// `stream`, in that device's primary context (the runtime's, torch's; retained on first use,
+// made current for the call and the thread's own context put back): the one driver call of a
+// graph replay, without torch's per-replay RNG prologue (two fills of its generator state),
+// which a graph that draws no random numbers does not need. Throws std::invalid_argument for
+// a negative device, std::runtime_error if the driver fails (e.g. the stream is capturing).
+void launch_graph(uint64_t graph_exec, uint64_t stream, int64_t device);
 
 }  // namespace zos

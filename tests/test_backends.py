@@ -654,3 +654,38 @@ def test_long_rows_at_1024_match_host_built(staging, capture):
         toks = torch.from_numpy(rng.integers(0, VOCAB, step.num_reqs).astype(np.int32))
         for b in (host, dev):
             b.buffers.sampled[: step.num_reqs].copy_(toks)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="stream capture needs a GPU")
+@pytest.mark.parametrize("staging", ["mapped", "copy"])
+def test_build_of_a_backend_with_prep_graphs_is_capturable(staging):
+    """``build`` of a backend that launches prep graphs of its own (``capture_prep=True``),
+    called inside a caller's capture (a graph launch cannot be captured on a stream): the
+    caller's graph holds the prep kernels, and replaying it after each stage rebuilds every
+    field as the host-built backend does, with moves, arrivals and appended blocks."""
+    steps, bs, w, r = 12, 16, 64, 64
+    wl = _MovingWorkload(11, 40, r, bs, w)
+    kw = dict(num_kv_blocks=1 << 20, vocab_size=VOCAB, buckets=BucketTable([r]))
+    dev = DeviceMetadataBackend(DecodeBuffers(r, w, bs, device="cuda"), capture_prep=True,
+                                staging=staging, **kw)
+    host = HostMetadataBackend(DecodeBuffers(r, w, bs, device="cpu"), **kw)
+    graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    rng = np.random.default_rng(2)
+    for i in range(steps):
+        step = wl.next_step()
+        want, plan = host.prepare(step), dev.stage(step)
+        assert plan.padded_size == r
+        if i == 0:  # captured once, on a side stream; replayed for every step after its stage
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.graph(graph, stream=side):
+                dev.build(r)
+            torch.cuda.current_stream().wait_stream(side)
+        graph.replay()
+        got = dev.metadata(plan)
+        torch.cuda.synchronize()
+        for f in FIELDS:
+            bad = (getattr(want, f) != getattr(got, f).cpu()).sum().item()
+            assert bad == 0, f"step {i}: {bad} entries of {f} differ"
+        toks = torch.from_numpy(rng.integers(0, VOCAB, step.num_reqs).astype(np.int32))
+        for b in (host, dev):
+            b.buffers.sampled[: step.num_reqs].copy_(toks)

@@ -504,3 +504,15 @@ def test_block_id_range_at_every_offset(num_kv_blocks, null_block, field, at):
         with pytest.raises(ValueError, match=rf"{field}: row {row} \(request {7 + row}\) has "
                                              rf"block id {b} outside \[{first}, "):
             pack(packer(), step(wrong), capacity=512)
+
+
+def test_launch_graph_refuses_what_it_cannot_launch():
+    """``zos._C.launch_graph``: a negative device is a ValueError before the driver is touched;
+    a null graph is refused by the driver (or, without one, by the driver's loading) as a
+    RuntimeError naming the CUDA driver."""
+    from zos._C import launch_graph
+
+    with pytest.raises(ValueError, match="device must be >= 0, got -1"):
+        launch_graph(0, 0, -1)
+    with pytest.raises(RuntimeError, match=r"zos \(CUDA driver\): "):
+        launch_graph(0, 0, 0)

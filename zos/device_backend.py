@@ -226,8 +226,8 @@ class DeviceMetadataBackend(MetadataBackend):
     @property
     def prep_graphs(self) -> dict[int, torch.cuda.CUDAGraph]:
         """The prep graphs of ``capture_prep=True`` by padded size (a copy; empty otherwise).
-        ``build`` replays them; replaying one directly skips the build ordering (measurements
-        only)."""
+        ``build`` launches them; replaying one directly skips the build ordering (measurements
+        only), and a graph ``reset()`` here leaves ``build`` launching a freed graph."""
         return dict(self._graphs)
 
     @property
@@ -237,8 +237,10 @@ class DeviceMetadataBackend(MetadataBackend):
 
     def build(self, padded_size: int) -> None:
         """Rebuild token rows [0, padded_size) of the step staged last on the device, in
-        place (graph replay if captured); ``counts`` gets (N, N * q), rows past N become dummy
-        rows. Capturable in a CUDA graph (N is read from device memory).
+        place; ``counts`` gets (N, N * q), rows past N become dummy rows. With
+        ``capture_prep=True`` one ``cuGraphLaunch`` of the bucket's prep graph
+        (``zos._C.launch_graph``), else the prep kernels. Capturable in a CUDA graph (N is
+        read from device memory): under a capture the prep kernels themselves are captured.
 
         Enqueued on the current stream, whichever it is: on ``self.stream`` stream order
         places it after the stage and before the next one; on any other stream, or under
@@ -252,14 +254,20 @@ class DeviceMetadataBackend(MetadataBackend):
         if padded_size == 0:  # an empty step: no rows, and no real row either
             self.buffers.counts.zero_()
         else:
-            graph = self._graphs.get(padded_size)
-            if graph is not None and torch._C._cuda_getDevice() == self._device_index:
-                # One cuGraphLaunch on the current stream: replay() would also refill the
-                # random generators' state (two fills), which the prep graph does not read.
-                launch_graph(self._graph_execs[padded_size],
-                             torch._C._cuda_getCurrentRawStream(self._device_index))
-            elif graph is not None:  # another device is current: replay() switches to ours
-                graph.replay()
+            graph_exec = self._graph_execs.get(padded_size)
+            if joined is not None and torch.cuda.is_current_stream_capturing():
+                # Captured into the caller's graph: the kernels themselves (a graph launch
+                # cannot be captured on a stream).
+                launch_prep(self.buffers, padded_size, **self._prep_args)
+            elif graph_exec is not None:
+                # One cuGraphLaunch on the current stream (``self.stream`` when the ordering
+                # found the build there): replay() would also refill the random generators'
+                # state (two fills), which the prep graph does not read.
+                stream = (self._stream_handle if joined is None else
+                          torch._C._cuda_getCurrentRawStream(self._device_index))
+                launch_graph(graph_exec, stream, self._device_index)
+            elif padded_size in self._graphs:  # torch < 2.9: no raw_cuda_graph_exec
+                self._graphs[padded_size].replay()
             else:
                 launch_prep(self.buffers, padded_size, **self._prep_args)
         if joined is not None:
@@ -293,4 +301,5 @@ class DeviceMetadataBackend(MetadataBackend):
         self.buffers.staging[:HEADER_WORDS].zero_()
         self._graphs = capture_per_bucket(
             buckets.sizes, lambda s: launch_prep(self.buffers, s, **self._prep_args))
-        self._graph_execs = {s: g.raw_cuda_graph_exec() for s, g in self._graphs.items()}
+        if all(hasattr(g, "raw_cuda_graph_exec") for g in self._graphs.values()):  # torch >= 2.9
+            self._graph_execs = {s: g.raw_cuda_graph_exec() for s, g in self._graphs.items()}
