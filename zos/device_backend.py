@@ -255,9 +255,10 @@ class DeviceMetadataBackend(MetadataBackend):
             self.buffers.counts.zero_()
         else:
             graph_exec = self._graph_execs.get(padded_size)
-            if joined is not None and torch.cuda.is_current_stream_capturing():
-                # Captured into the caller's graph: the kernels themselves (a graph launch
-                # cannot be captured on a stream).
+            if padded_size not in self._graphs or (
+                    joined is not None and torch.cuda.is_current_stream_capturing()):
+                # No graph of this size, or captured into the caller's graph: the kernels
+                # themselves (a graph launch cannot be captured on a stream).
                 launch_prep(self.buffers, padded_size, **self._prep_args)
             elif graph_exec is not None:
                 # One cuGraphLaunch on the current stream (``self.stream`` when the ordering
@@ -266,10 +267,8 @@ class DeviceMetadataBackend(MetadataBackend):
                 stream = (self._stream_handle if joined is None else
                           torch._C._cuda_getCurrentRawStream(self._device_index))
                 launch_graph(graph_exec, stream, self._device_index)
-            elif padded_size in self._graphs:  # torch < 2.9: no raw_cuda_graph_exec
+            else:  # torch < 2.9: no raw_cuda_graph_exec
                 self._graphs[padded_size].replay()
-            else:
-                launch_prep(self.buffers, padded_size, **self._prep_args)
         if joined is not None:
             order.after_build(joined)
 
