@@ -89,8 +89,8 @@ class StepPacker {
   [[noreturn]] void fail_blocks(const StepInput& in, int64_t row, int64_t pos, int64_t nb,
                                 bool rewritten = false) const;
   // Everything else the packer keeps about one row, in one cache line: a touched row costs one
-  // line, wherever it lies (the per-field arrays this replaces cost ~15 lines per row, and a
-  // scheduler's work between two steps evicts them).
+  // line, wherever it lies (one array per field would cost ~15 lines per row, which a
+  // scheduler's work between two steps evicts).
   static constexpr int32_t kUnlinked = -2;
   struct alignas(64) RowState {
     // The mirror of the last packed step (with ids_): the position as a key: the
@@ -140,7 +140,7 @@ class StepPacker {
   RowIndex new_ids_;    // ids absent from the previous step, for duplicate checks
   std::vector<RowState> rows_;  // [max_num_reqs]
   // [max_num_reqs] the request id of each row of the last packed step, apart from rows_: a
-  // step's ids are compared with them in blocks of 16 (two cache lines).
+  // step's ids are compared with them in blocks of 8 (one cache line).
   std::vector<int64_t> ids_;
   int64_t prev_n_ = 0, prev_prev_n_ = 0, step_ = 0;
 
