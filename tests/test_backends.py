@@ -629,6 +629,17 @@ def test_stalled_ring_matches_host_built(ring_slots):
     assert dev.ring.waits > 0, "the host never caught up with the ring: the GPU did not lag"
 
 
+def _same_fields_then_sample(i, want, got, rng, num_reqs, *backends):
+    """Assert every field of step ``i`` equal in ``want`` (host-built) and ``got``, then give
+    every backend the same random sampled tokens for its ``num_reqs`` rows."""
+    for f in FIELDS:
+        bad = (getattr(want, f) != getattr(got, f).cpu()).sum().item()
+        assert bad == 0, f"step {i}: {bad} entries of {f} differ"
+    toks = torch.from_numpy(rng.integers(0, VOCAB, num_reqs).astype(np.int32))
+    for b in backends:
+        b.buffers.sampled[:num_reqs].copy_(toks)
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="the warps of one program race only on a GPU")
 @pytest.mark.parametrize("staging,capture", [("mapped", False), ("mapped", True),
                                              ("copy", False), ("copy", True)])
@@ -648,12 +659,7 @@ def test_long_rows_at_1024_match_host_built(staging, capture):
         step = wl.next_step()
         want, got = host.prepare(step), dev.prepare(step)
         torch.cuda.synchronize()
-        for f in FIELDS:
-            bad = (getattr(want, f) != getattr(got, f).cpu()).sum().item()
-            assert bad == 0, f"step {i}: {bad} entries of {f} differ"
-        toks = torch.from_numpy(rng.integers(0, VOCAB, step.num_reqs).astype(np.int32))
-        for b in (host, dev):
-            b.buffers.sampled[: step.num_reqs].copy_(toks)
+        _same_fields_then_sample(i, want, got, rng, step.num_reqs, host, dev)
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="stream capture needs a GPU")
@@ -683,9 +689,4 @@ def test_build_of_a_backend_with_prep_graphs_is_capturable(staging):
         graph.replay()
         got = dev.metadata(plan)
         torch.cuda.synchronize()
-        for f in FIELDS:
-            bad = (getattr(want, f) != getattr(got, f).cpu()).sum().item()
-            assert bad == 0, f"step {i}: {bad} entries of {f} differ"
-        toks = torch.from_numpy(rng.integers(0, VOCAB, step.num_reqs).astype(np.int32))
-        for b in (host, dev):
-            b.buffers.sampled[: step.num_reqs].copy_(toks)
+        _same_fields_then_sample(i, want, got, rng, step.num_reqs, host, dev)
