@@ -220,6 +220,15 @@ void apply_accepted(zos::StepPacker& self, const py::handle& accepted, int64_t s
   self.apply_accepted(ptr<int32_t>(acc), acc.size(), steps_ago);
 }
 
+// The docstring of set_build_events of the native stage object whose `call` (submit, acquire)
+// applies the build ordering (pybind11 copies a docstring, so a temporary's c_str() will do).
+std::string build_events_doc(const char* call) {
+  return std::string("Build ordering (docs/ZOS.md, \"The runner contract\"): from now on each ") +
+         call + " makes its stream wait for the CUevent ``built`` (recorded after each build "
+         "that may run on another stream) and records the CUevent ``staged`` on it, which such "
+         "a build waits for; raw handles, 0, 0 turns it off.";
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -390,10 +399,7 @@ Raises:
            "Wait until both buffers' copies are done (before freeing the pinned buffers).")
       .def("set_build_events", &zos::PinnedUpload::set_build_events, py::arg("built"),
            py::arg("staged"),
-           "Build ordering (docs/ZOS.md, \"The runner contract\"): from now on each submit makes "
-           "its stream wait for the CUevent ``built`` (recorded after each build that may run on "
-           "another stream) and records the CUevent ``staged`` on it, which such a build waits "
-           "for; raw handles, 0, 0 turns it off.");
+           build_events_doc("submit").c_str());
 
   py::class_<zos::MappedRing>(m, "MappedRing",
                               R"doc(The zero-copy staging ring: records in mapped pinned host memory, one fence per slot.
@@ -425,10 +431,7 @@ Raises:
            "The acquired slot holds a staged record: the next acquire fences it.")
       .def("set_build_events", &zos::MappedRing::set_build_events, py::arg("built"),
            py::arg("staged"),
-           "Build ordering (docs/ZOS.md, \"The runner contract\"): from now on each acquire makes "
-           "its stream wait for the CUevent ``built`` (recorded after each build that may run on "
-           "another stream) and records the CUevent ``staged`` on it, which such a build waits "
-           "for; raw handles, 0, 0 turns it off.")
+           build_events_doc("acquire").c_str())
       .def("synchronize", &zos::MappedRing::synchronize,
            py::call_guard<py::gil_scoped_release>(),
            "Fence the slot committed last and wait for every slot's fence.")
