@@ -10,10 +10,11 @@ from one CUDA graph per bucket) and ``zos-graph-copy`` (prep graphs, the record 
 to the device by one H2D copy per step: the fallback, ``staging="copy"``).
 
 Measured per step: host microseconds from the schedule (a built DecodeStep) to
-work enqueued (``backend.prepare``: stage, build and metadata; median and p90 of timed
-steps), of which ``stage`` alone (``stage us``: the host time zos adds to a runner that
-captures the prep inside its own graph, as zos's GraphRunner does, where the build is
-part of the runner's one replay), GPU
+work enqueued (``backend.prepare``: stage, build and metadata, for zos-graph one native call
+that stages the step and launches its prep graph; median and p90 of timed steps), then, over
+as many further steps, ``stage`` alone (``stage us``, the build called after it untimed: the
+host time zos adds to a runner that captures the prep inside its own graph, as zos's
+GraphRunner does, where the build is part of the runner's one replay), GPU
 microseconds of the prep (kernels + memcpys + memsets, from torch.profiler),
 host-to-device bytes and copies (torch.profiler memcpy events) and the bytes of the
 record, which the mapped variants' kernels read from host memory instead of an H2D copy
@@ -112,20 +113,26 @@ def bench_one(variant, steps, wl, device, buckets, warmup, timed, profiled, gap_
     sync(device)
     host_us, stage_us, upload = [], [], []
     elapsed = torch.zeros(1, dtype=torch.int64, device=device) if gap_us else None
-    for _ in range(timed):
-        s = next(steps)
-        t0 = time.perf_counter_ns()
-        plan = backend.stage(s)  # backend.prepare(s), its three calls timed apart
-        t1 = time.perf_counter_ns()
-        backend.build(plan.padded_size)
-        backend.metadata(plan)
-        t2 = time.perf_counter_ns()
-        host_us.append((t2 - t0) / 1e3)
-        stage_us.append((t1 - t0) / 1e3)
-        upload.append(backend.last_upload_bytes)
-        if gap_us:  # stand-in for a model step, then the sampled-token read: host waits idle
+
+    def model_step():  # stand-in for a model step, then the sampled-token read: host idle
+        if gap_us:
             gpu_busy(gap_us, elapsed)
             torch.cuda.synchronize()
+
+    for _ in range(timed):  # the whole step, as a runner without its own graph calls it
+        s = next(steps)
+        t0 = time.perf_counter_ns()
+        backend.prepare(s)
+        host_us.append((time.perf_counter_ns() - t0) / 1e3)
+        upload.append(backend.last_upload_bytes)
+        model_step()
+    for _ in range(timed):  # stage alone, as a runner that captures the build calls it
+        s = next(steps)
+        t0 = time.perf_counter_ns()
+        plan = backend.stage(s)
+        stage_us.append((time.perf_counter_ns() - t0) / 1e3)
+        backend.build(plan.padded_size)
+        model_step()
     sync(device)
     rest = [next(steps) for _ in range(profiled)]
     row = dict(variant=variant, gap_us=gap_us, host_us_median=statistics.median(host_us),
@@ -177,7 +184,7 @@ def main(argv=None):
     for ctx in [int(c) for c in args.contexts.split(",")]:
         for n in [int(x) for x in args.sizes.split(",")]:
             wl = SteadyWorkload(n, max_context=ctx, seed=n)
-            count = args.warmup + args.steps + args.profiled
+            count = args.warmup + 2 * args.steps + args.profiled
             backends = {}
             for v in variants:
                 row, backends[v] = bench_one(v, workload_steps(n, ctx, count), wl, device,

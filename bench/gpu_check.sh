@@ -18,7 +18,7 @@ python3 -m pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>
 
 if [ "${SUITE:-1}" = 1 ]; then
   stamp "test suite on CUDA (test_distributed.py needs 2 GPUs: left out)"
-  timeout 260 python3 -m pytest -q -p no:cacheprovider --ignore=tests/test_distributed.py tests \
+  timeout 330 python3 -m pytest -q -p no:cacheprovider --ignore=tests/test_distributed.py tests \
     > "$OUT/tests.log" 2>&1
   echo "tests rc=$?"; grep -E "passed|failed|^FAILED|^ERROR" "$OUT/tests.log" | tail -12
   SAN=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)

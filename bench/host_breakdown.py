@@ -4,22 +4,26 @@ bench/NOTES.md).
 Runs the steady workload of bench_prep.py (5% of rows replaced per step) through
 DeviceMetadataBackend with prep graphs, for both ways the record reaches the prep kernels
 ("mapped": packed into a slot of the zero-copy ring, which the graph reads in place;
-"copy": packed into a pinned buffer and copied by one H2D copy), and times ``stage``,
-``build`` and ``metadata`` of each step, then each call they are made of, alone:
+"copy": packed into a pinned buffer and copied by one H2D copy), and times ``prepare`` of
+each step (one native call stages the step and launches its prep graph), then ``stage``,
+``build`` and ``metadata`` called apart (a runner that captures the build with its model
+calls ``stage`` alone), then each call they are made of, alone:
 
 - pack alone (C++): ``StepPacker.pack_step`` of the same steps into a numpy buffer, its work
   O(changed rows) (``rows_visited`` gives the rows it visited);
-- ring fences alone: ``acquire`` + ``commit`` of a second ring on the same stream (one
-  cuEventRecord of the slot staged last and one cuEventQuery of the next slot);
+- ring acquire alone: ``acquire`` + ``commit`` of a second ring whose slots are free (the
+  done word read, no driver call: what a stage pays while the device keeps up);
 - upload alone (copy path): one native H2D copy and its fence;
 - graph launch alone: one ``cuGraphLaunch`` of the bucket's prep graph (``zos._C.launch_graph``,
   what ``build`` does), and ``torch.cuda.CUDAGraph.replay`` of it (which also refills the
   random generators' state: two fills per replay);
-- Python in stage: stage less pack and fences (argument passing, plan lookup, owner check).
+- Python in stage: stage less pack and the ring acquire or upload (argument passing, plan
+  lookup, owner check).
 
 Each part's floor is the cheapest call that does it, measured too: for the pack, the pack of
 an empty step (the call and its argument checks) and a memcpy of the record's words; for the
-build, the launch of a one-kernel graph; for the fences, the fences alone.
+build, the launch of a one-kernel graph; for any native call, a call that does nothing (a
+property read through pybind11).
 
 Every figure is taken in two conditions. **warm**: the calls follow one another (steps built
 beforehand), so the host's caches and branch predictors hold zos's code and data. **after
@@ -78,19 +82,39 @@ def med_us(fn, between=None, reps=600, sync_every=0):
     return statistics.median(ts) / 1e3
 
 
-def fences_once(ring, stream_handle):
-    """One step's fence work alone on a native ``MappedRing``: fence the slot staged last,
-    wait for the next one (as ``StepPacker.stage_into_ring`` does around the pack)."""
+def acquire_once(ring, stream_handle):
+    """One step's slot work alone on a native ``MappedRing`` whose slots are free: read the
+    done word, take the slot (as ``StepPacker.stage_into_ring`` does around the pack)."""
     ring.acquire(stream_handle)
     ring.commit()
 
 
+def backend(n, mode, wl):
+    """A fresh DeviceMetadataBackend with a prep graph for ``n`` rows."""
+    bufs = DecodeBuffers(n, wl.w, wl.bs, device="cuda")
+    return DeviceMetadataBackend(bufs, num_kv_blocks=wl.num_kv_blocks, vocab_size=32000,
+                                 buckets=BucketTable([n]), capture_prep=True, staging=mode)
+
+
+def prepare_steps(n, mode, wl, step_iter):
+    """Median us of ``prepare`` (one native call: stage and graph launch) of a fresh backend
+    over ``step_iter`` (its first step untimed)."""
+    be = backend(n, mode, wl)
+    be.prepare(next(step_iter))
+    ts = []
+    for s in step_iter:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter_ns()
+        be.prepare(s)
+        ts.append(time.perf_counter_ns() - t0)
+    torch.cuda.synchronize()
+    return statistics.median(ts) / 1e3
+
+
 def run_steps(n, mode, wl, step_iter):
     """stage / build / metadata medians (us) of a fresh backend over ``step_iter`` (its first
-    step untimed), and the backend."""
-    bufs = DecodeBuffers(n, wl.w, wl.bs, device="cuda")
-    be = DeviceMetadataBackend(bufs, num_kv_blocks=wl.num_kv_blocks, vocab_size=32000,
-                               buckets=BucketTable([n]), capture_prep=True, staging=mode)
+    step untimed), called apart, and the backend."""
+    be = backend(n, mode, wl)
     be.prepare(next(step_iter))
     t_stage, t_build, t_meta = [], [], []
     for s in step_iter:
@@ -131,6 +155,7 @@ def breakdown(n, mode, steps, count, tiny_graph, condition):
         # timed floor call, one step of another workload is built (untimed)
         between = workload_steps(n, wl.max_ctx, 1 << 30).__next__
         fresh = lambda: workload_steps(n, wl.max_ctx, count)  # noqa: E731
+    prepare = prepare_steps(n, mode, wl, fresh())
     (stage, build, meta), be = run_steps(n, mode, wl, fresh())
     pack, visited, nbytes = pack_alone(n, wl, fresh())
     empty = DecodeStep.build([])
@@ -141,6 +166,7 @@ def breakdown(n, mode, steps, count, tiny_graph, condition):
     graph_exec = be.prep_graphs[n].raw_cuda_graph_exec()
     tiny_exec = tiny_graph.raw_cuda_graph_exec()
     row = {
+        "prepare (stage + graph launch in one native call)": prepare,
         "stage": stage,
         "build (cuGraphLaunch of the prep graph)": build,
         "metadata (memoised views)": meta,
@@ -157,11 +183,13 @@ def breakdown(n, mode, steps, count, tiny_graph, condition):
         "floor: memcpy of the record's words": med_us(lambda: np.copyto(dst, src), between),
         "floor: cuGraphLaunch of a one-kernel graph": med_us(
             lambda: launch_graph(tiny_exec, handle, dev_index), between, sync_every=64),
+        "floor: a native call that does nothing (pybind11 property read)": med_us(
+            lambda: floor_packer.prev_num_reqs, between),
     }
     if mode == "mapped":
         ring = StagingRing(4, 64, be.buffers.device)
-        fences = row["ring fences alone (record + query)"] = med_us(
-            lambda: fences_once(ring.fences, handle), between, sync_every=64)
+        fences = row["ring acquire alone (done word read)"] = med_us(
+            lambda: acquire_once(ring.fences, handle), between)
         ring.synchronize()
     else:
         nbytes = 4 * staging.total_words(0, 0, 0)  # a second upload on the same stream
@@ -172,7 +200,7 @@ def breakdown(n, mode, steps, count, tiny_graph, condition):
         fences = row["upload alone (copy + fence)"] = med_us(
             lambda: up.submit(up.acquire(), nbytes, handle), between, sync_every=64)
         up.synchronize()
-    row["python in stage (stage - pack - fences)"] = stage - pack - fences
+    row["python in stage (stage - pack - ring acquire or upload)"] = stage - pack - fences
     torch.cuda.synchronize()
     return row
 

@@ -190,43 +190,39 @@ int64_t pack_step(zos::StepPacker& self, const py::handle& step, const py::handl
   return pack_checked(self, check_step_object(step), out_obj, seq);
 }
 
-// One call per step on the mapped path: acquire the next ring slot (fences), pack into
-// it, commit it. On a throw from the packer the slot is not committed.
+// One call per step on the mapped path: acquire the next ring slot, pack into it, commit it,
+// and with a graph_exec launch the step's prep graph on `stream` (its build). On a throw from
+// the packer the slot is not committed and nothing is launched.
 int64_t stage_into_ring(zos::StepPacker& self, zos::MappedRing& ring, uint64_t stream,
-                        int32_t seq, const py::handle& step) {
+                        int32_t seq, const py::handle& step, uint64_t graph_exec,
+                        int64_t device) {
   const CheckedStep c = check_step_object(step);
   py::gil_scoped_release release;
   const int slot = ring.acquire(stream);
   int32_t* out = reinterpret_cast<int32_t*>(ring.host_ptr()) + slot * ring.slot_words();
   const int64_t words = self.pack(c.in, out, ring.slot_words(), seq);
   ring.commit();
+  if (graph_exec) zos::launch_graph(graph_exec, stream, device);
   return words;
 }
 
 // One call per step on the copy path: wait for the next pinned buffer's previous copy, pack
-// into it, enqueue its H2D copy and fence. On a throw from the packer nothing is enqueued.
+// into it, enqueue its H2D copy and fence, and with a graph_exec launch the step's prep graph
+// after it on `stream`. On a throw from the packer nothing is enqueued.
 int64_t stage_upload(zos::StepPacker& self, zos::PinnedUpload& up, uint64_t stream,
-                     int32_t seq, const py::handle& step) {
+                     int32_t seq, const py::handle& step, uint64_t graph_exec, int64_t device) {
   const CheckedStep c = check_step_object(step);
   py::gil_scoped_release release;
   const int k = up.acquire();
   const int64_t words = self.pack(c.in, up.host_buffer(k), up.capacity() / 4, seq);
   up.submit(k, 4 * words, stream);
+  if (graph_exec) zos::launch_graph(graph_exec, stream, device);
   return words;
 }
 
 void apply_accepted(zos::StepPacker& self, const py::handle& accepted, int64_t steps_ago) {
   auto acc = checked<int32_t>(accepted, "accepted");
   self.apply_accepted(ptr<int32_t>(acc), acc.size(), steps_ago);
-}
-
-// The docstring of set_build_events of the native stage object whose `call` (submit, acquire)
-// applies the build ordering (pybind11 copies a docstring, so a temporary's c_str() will do).
-std::string build_events_doc(const char* call) {
-  return std::string("Build ordering (docs/ZOS.md, \"The runner contract\"): from now on each ") +
-         call + " makes its stream wait for the CUevent ``built`` (recorded after each build "
-         "that may run on another stream) and records the CUevent ``staged`` on it, which such "
-         "a build waits for; raw handles, 0, 0 turns it off.";
 }
 
 }  // namespace
@@ -335,18 +331,22 @@ max_num_reqs rows, record larger than ``out``); TypeError on wrong dtypes.)doc")
 rewritten rows included): the same checks, record and errors, and a TypeError naming the
 missing attribute when ``step`` is not a DecodeStep.)doc")
       .def("stage_into_ring", &stage_into_ring, py::arg("ring"), py::arg("stream"),
-           py::arg("seq"), py::arg("step"),
+           py::arg("seq"), py::arg("step"), py::arg("graph_exec") = 0, py::arg("device") = -1,
            R"doc(``pack_step`` into the next slot of a :class:`MappedRing`, in one call (no GIL).
 
-``ring.acquire(stream)`` (the slot staged last gets its fence on ``stream``; wait for the
-next slot's fence), ``pack`` into that slot with ``seq``, ``ring.commit()``; returns the
-record's words. Raises as ``pack`` (the slot is then neither written nor committed).)doc")
+``ring.acquire(stream)`` (wait until the build of the record in the next slot has finished),
+``pack`` into that slot with ``seq``, ``ring.commit()``; with ``graph_exec`` (a
+``cudaGraphExec_t`` of the prep graph, non-zero) also ``launch_graph(graph_exec, stream,
+device)``: stage and build in one call. Returns the record's words. Raises as ``pack`` (the
+slot is then neither written nor committed, nothing launched), as ``MappedRing.acquire`` and
+as ``launch_graph``.)doc")
       .def("stage_upload", &stage_upload, py::arg("upload"), py::arg("stream"),
-           py::arg("seq"), py::arg("step"),
+           py::arg("seq"), py::arg("step"), py::arg("graph_exec") = 0, py::arg("device") = -1,
            R"doc(``pack_step`` into the next pinned buffer of a :class:`PinnedUpload` and enqueue
 its H2D copy on ``stream``, in one call (no GIL): ``upload.acquire()`` (wait for that
-buffer's previous copy), ``pack`` with ``seq``, ``upload.submit``; returns the record's
-words. Raises as ``pack`` (nothing is then enqueued).)doc")
+buffer's previous copy), ``pack`` with ``seq``, ``upload.submit``; with ``graph_exec``
+(non-zero) also ``launch_graph(graph_exec, stream, device)`` after the copy. Returns the
+record's words. Raises as ``pack`` (nothing is then enqueued) and as ``launch_graph``.)doc")
       .def("apply_accepted", &apply_accepted, py::arg("accepted"), py::arg("steps_ago"),
            R"doc(Exact accepted counts of an earlier step (speculative decoding, q > 1).
 
@@ -399,18 +399,22 @@ Raises:
            "Wait until both buffers' copies are done (before freeing the pinned buffers).")
       .def("set_build_events", &zos::PinnedUpload::set_build_events, py::arg("built"),
            py::arg("staged"),
-           build_events_doc("submit").c_str());
+           "Build ordering (docs/ZOS.md, \"The runner contract\"): from now on each submit "
+           "makes its stream wait for the CUevent ``built`` (recorded after each build that may "
+           "run on another stream) and records the CUevent ``staged`` on it, which such a build "
+           "waits for; raw handles, 0, 0 turns it off.");
 
   py::class_<zos::MappedRing>(m, "MappedRing",
-                              R"doc(The zero-copy staging ring: records in mapped pinned host memory, one fence per slot.
+                              R"doc(The zero-copy staging ring: records in mapped pinned host memory, and a done word.
 
-``num_slots`` records of ``slot_words`` int32 words, allocated with cuMemHostAlloc
-(DEVICEMAP | PORTABLE) and zeroed; the prep kernels read them at ``device_ptr``
-(cuMemHostGetDevicePointer) inside the graph, no copy. Per step: ``acquire(stream)``
-records the fence of the slot committed last on ``stream`` (after that step's build was
-enqueued there) and waits for the fence of the next slot (only when the host is
-``num_slots`` steps ahead), returns its index; the record is packed into
-``array()[slot]``; ``commit()``. docs/ZOS.md, "The staging record".
+``num_slots`` records of ``slot_words`` int32 words and, after them, the done word, allocated
+with cuMemHostAlloc (DEVICEMAP | PORTABLE) and zeroed; the prep kernels read the records at
+``device_ptr`` (cuMemHostGetDevicePointer) inside the graph, no copy, and write into the done
+word (``done_device_ptr``) the SEQ of each record they have finished reading. Per step:
+``acquire(stream)`` returns the next slot once the build of the record it holds has finished
+(the done word has reached its SEQ: no driver call while the device keeps up; otherwise it
+waits); the record is packed into ``array()[slot]``; ``commit()``. docs/ZOS.md, "The staging
+record" and "The done word".
 
 ``device``: the CUDA device ordinal; its primary context (torch's) is retained and made
 current for each driver call (the thread's own context is put back after), so the ring
@@ -425,16 +429,29 @@ Raises:
            py::arg("device") = -1)
       .def("acquire", &zos::MappedRing::acquire, py::arg("stream"),
            py::call_guard<py::gil_scoped_release>(),
-           "Fence the slot committed last on stream (a raw CUstream), wait until the next "
-           "slot's fence is done; returns that slot.")
+           R"doc(The next slot, once the build of the record it holds (if any) has finished.
+
+No driver call when the done word shows that build finished. Otherwise (the host
+``num_slots`` steps ahead of the device) ``stream`` (a raw CUstream: the stage's) first waits
+for the last build's ``built`` event (``set_build_events``), a fence is recorded on it, and the
+host spins on the done word, polling the fence; counts one wait.
+
+Raises:
+    RuntimeError: the fence completed and the done word never reached the record's SEQ (it
+        was staged and never built: rule 2 of docs/ZOS.md, "The runner contract"), or the
+        driver reports an error.)doc")
       .def("commit", &zos::MappedRing::commit,
-           "The acquired slot holds a staged record: the next acquire fences it.")
+           "The acquired slot holds a staged record: the next acquire takes the following slot.")
       .def("set_build_events", &zos::MappedRing::set_build_events, py::arg("built"),
            py::arg("staged"),
-           build_events_doc("acquire").c_str())
+           "Build ordering (docs/ZOS.md, \"The runner contract\"): from now on the fence of a "
+           "waiting acquire comes after the CUevent ``built`` (recorded after each build that "
+           "may run on another stream); ``staged`` is unused (the record is in host memory). "
+           "Raw handles; 0, 0 turns it off.")
       .def("synchronize", &zos::MappedRing::synchronize,
            py::call_guard<py::gil_scoped_release>(),
-           "Fence the slot committed last and wait for every slot's fence.")
+           "Wait until the build of the record committed last has finished (as ``acquire`` "
+           "waits, with its errors).")
       .def("array", [](py::object self) {
              auto& ring = self.cast<zos::MappedRing&>();
              return py::array_t<int32_t>({ring.num_slots(), ring.slot_words()},
@@ -445,10 +462,21 @@ Raises:
       .def_property_readonly("host_ptr", &zos::MappedRing::host_ptr)
       .def_property_readonly("device_ptr", &zos::MappedRing::device_ptr,
                              "The device address of slot 0 (unified addressing).")
+      .def_property_readonly("done_device_ptr", &zos::MappedRing::done_device_ptr,
+                             "The device address of the done word (int32).")
+      .def_property_readonly("done_seq", &zos::MappedRing::done_seq,
+                             "The done word: the SEQ of the record whose build finished last.")
+      .def("done_array", [](py::object self) {
+             auto& ring = self.cast<zos::MappedRing&>();
+             return py::array_t<int32_t>({int64_t{1}},
+                                         reinterpret_cast<int32_t*>(ring.done_host_ptr()), self);
+           },
+           "The done word as a writable numpy int32 array [1] over the mapped memory (it keeps "
+           "the ring alive).")
       .def_property_readonly("num_slots", &zos::MappedRing::num_slots)
       .def_property_readonly("slot_words", &zos::MappedRing::slot_words)
       .def_property_readonly("waits", &zos::MappedRing::waits,
-                             "Acquires that had to wait for their slot's fence.");
+                             "Acquires that had to wait for their slot's build.");
 
   namespace st = zos::staging;
   auto staging = m.def_submodule("staging", R"doc(Layout of the staging record (csrc/staging.h).

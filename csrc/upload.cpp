@@ -6,6 +6,9 @@
 #include <mutex>
 #include <stdexcept>
 #include <string>
+#include <thread>
+
+#include "staging.h"
 
 namespace zos {
 namespace {
@@ -204,6 +207,10 @@ void PinnedUpload::set_build_events(uint64_t built, uint64_t staged) {
   staged_ = reinterpret_cast<void*>(staged);
 }
 
+// The done word gets a cache line of its own after the slots (the GPU writes it, the host
+// reads it; no slot's words share its line).
+constexpr int64_t kDoneWords = 16;
+
 MappedRing::MappedRing(int64_t num_slots, int64_t slot_words, int64_t device)
     : num_slots_(num_slots), slot_words_(slot_words) {
   if (num_slots < 1 || slot_words < 1)
@@ -214,17 +221,16 @@ MappedRing::MappedRing(int64_t num_slots, int64_t slot_words, int64_t device)
   void* p = nullptr;
   try {
     ContextScope scope(ctx_);
-    const size_t bytes = static_cast<size_t>(num_slots * slot_words) * sizeof(int32_t);
-    check(d.mem_host_alloc(&p, bytes, kMemHostAllocPortable | kMemHostAllocDeviceMap),
+    const int64_t words = num_slots * slot_words + kDoneWords;
+    check(d.mem_host_alloc(&p, static_cast<size_t>(words) * sizeof(int32_t),
+                           kMemHostAllocPortable | kMemHostAllocDeviceMap),
           "cuMemHostAlloc");
     host_ = static_cast<int32_t*>(p);
-    std::fill_n(host_, num_slots * slot_words, 0);  // N = 0 and SEQ = 0 in every slot
+    std::fill_n(host_, words, 0);  // N = 0 and SEQ = 0 in every slot, done word 0
     check(d.mem_host_get_device_pointer(&device_, p, 0), "cuMemHostGetDevicePointer");
-    fence_.assign(static_cast<size_t>(num_slots), nullptr);
-    for (auto& f : fence_) check(d.event_create(&f, kEventDisableTiming), "cuEventCreate");
+    check(d.event_create(&fence_, kEventDisableTiming), "cuEventCreate");
   } catch (...) {
-    for (auto* f : fence_)
-      if (f) d.event_destroy(f);
+    if (fence_) d.event_destroy(fence_);
     if (p) d.mem_free_host(p);
     if (retained_ >= 0) d.primary_ctx_release(retained_);
     throw;
@@ -238,55 +244,74 @@ MappedRing::~MappedRing() {
   }
   try {
     ContextScope scope(ctx_);
-    for (auto* f : fence_)
-      if (f) driver().event_destroy(f);
+    if (fence_) driver().event_destroy(fence_);
     if (host_) driver().mem_free_host(host_);
   } catch (...) {  // nothing to report to in a destructor
   }
   if (retained_ >= 0) driver().primary_ctx_release(retained_);
 }
 
-int MappedRing::acquire(uint64_t stream) {
+int32_t MappedRing::seq_of(int64_t slot) const {
+  return host_[slot * slot_words_ + staging::kSeq];
+}
+
+bool MappedRing::applied(int32_t seq, int32_t newest) const {
+  // The done word lies in [seq, newest] (mod kSeqMask + 1) once seq's build has finished:
+  // builds apply records in SEQ order, and none is ahead of the record committed last.
+  const int32_t done = done_seq();
+  return ((done - seq) & staging::kSeqMask) <= ((newest - seq) & staging::kSeqMask);
+}
+
+void MappedRing::wait_applied(int32_t seq, int32_t newest, uint64_t stream) {
   ContextScope scope(ctx_);
   const Driver& d = driver();
   void* s = reinterpret_cast<void*>(stream);
-  wait_for_build(built_, s);  // the fence below then covers the last build, wherever it ran
-  if (pending_ >= 0) {
-    check(d.event_record(fence_[pending_], s), "cuEventRecord");
-    pending_ = -1;
+  wait_for_build(built_, s);  // the fence below then comes after the last build, wherever it ran
+  check(d.event_record(fence_, s), "cuEventRecord");
+  for (int64_t spin = 0; !applied(seq, newest); ++spin) {
+    const CUresult rc = d.event_query(fence_);
+    if (rc == 0) {
+      // Every build enqueued before the fence has finished, and its writes to the done word
+      // are visible with the fence; give a late write of the word a moment all the same.
+      for (int i = 0; i < 1000 && !applied(seq, newest); ++i) std::this_thread::yield();
+      if (applied(seq, newest)) return;
+      throw std::runtime_error(
+          "zos: the record with SEQ " + std::to_string(seq) + " was staged but no build read "
+          "it (the device finished everything enqueued before this stage, and the done word "
+          "is at SEQ " + std::to_string(done_seq()) + "): every stage must be followed by its "
+          "build before the next stage (docs/ZOS.md, \"The runner contract\", rule 2)");
+    }
+    if (rc != kErrorNotReady) check(rc, "cuEventQuery");
+    if (spin >= 64) std::this_thread::yield();
   }
-  mark_staged(staged_, s);
+}
+
+int MappedRing::acquire(uint64_t stream) {
   last_stream_ = stream;
-  const CUresult rc = d.event_query(fence_[next_]);
-  if (rc == kErrorNotReady) {
-    ++waits_;
-    check(d.event_synchronize(fence_[next_]), "cuEventSynchronize");
-  } else {
-    check(rc, "cuEventQuery");
+  if (commits_ >= num_slots_) {  // slot next_ holds a record: wait for its build to finish
+    const int32_t seq = seq_of(next_);
+    const int32_t newest = seq_of((next_ + num_slots_ - 1) % num_slots_);
+    if (!applied(seq, newest)) {
+      ++waits_;
+      wait_applied(seq, newest, stream);
+    }
   }
   return next_;
 }
 
-void MappedRing::set_build_events(uint64_t built, uint64_t staged) {
+void MappedRing::set_build_events(uint64_t built, uint64_t /*staged*/) {
   built_ = reinterpret_cast<void*>(built);
-  staged_ = reinterpret_cast<void*>(staged);
 }
 
 void MappedRing::commit() {
-  pending_ = next_;
+  ++commits_;
   next_ = static_cast<int>((next_ + 1) % num_slots_);
 }
 
 void MappedRing::synchronize() {
-  ContextScope scope(ctx_);
-  const Driver& d = driver();
-  if (pending_ >= 0) {
-    wait_for_build(built_, reinterpret_cast<void*>(last_stream_));
-    check(d.event_record(fence_[pending_], reinterpret_cast<void*>(last_stream_)),
-          "cuEventRecord");
-    pending_ = -1;
-  }
-  for (auto* f : fence_) check(d.event_synchronize(f), "cuEventSynchronize");
+  if (commits_ == 0) return;
+  const int32_t newest = seq_of((next_ + num_slots_ - 1) % num_slots_);
+  if (!applied(newest, newest)) wait_applied(newest, newest, last_stream_);
 }
 
 void launch_graph(uint64_t graph_exec, uint64_t stream, int64_t device) {

@@ -54,11 +54,11 @@ class PinnedUpload {
 // MappedRing: the zero-copy staging ring (docs/ZOS.md, "The staging record").
 // num_slots records of slot_words int32 words in pinned host memory that is
 // mapped into the device's address space (cuMemHostAlloc with DEVICEMAP; the
-// prep kernels read it through device_ptr()), and one fence per slot: the host
-// writes slot k only after the build that last read slot k has finished. The
-// fence of the slot staged last is recorded at the next acquire, on that call's
-// stream, i.e. after the build of that step was enqueued; so the host waits only
-// when it is num_slots steps ahead of the device.
+// prep kernels read it through device_ptr()), followed by the done word: the
+// prep kernels write into it the SEQ of each record they have finished reading
+// (docs/ZOS.md, "The done word"). The host writes slot k only after the build
+// that last read slot k has finished, which it learns by reading the done word:
+// no driver call while the device keeps up; a host num_slots steps ahead waits.
 class MappedRing {
  public:
   // device: the CUDA device ordinal; its primary context (the CUDA runtime's and
@@ -72,38 +72,55 @@ class MappedRing {
   MappedRing(const MappedRing&) = delete;
   MappedRing& operator=(const MappedRing&) = delete;
 
-  // Records the fence of the slot committed last (if any) on `stream`, waits for
-  // the fence of the next slot, and returns that slot's index.
+  // Returns the next slot once the build of the record it holds (if any) has finished,
+  // i.e. once the done word has reached that record's SEQ; until then it waits (see
+  // wait_applied), counting one wait. `stream` is the stage's stream: on it the wait
+  // places its fallback fence.
   int acquire(uint64_t stream);
-  // The acquired slot holds a staged record now: the next acquire fences it and
-  // moves on to the following slot.
+  // The acquired slot holds a staged record now: the next acquire takes the following slot.
   void commit();
-  // Fences the slot committed last on the stream of the last acquire and waits
-  // for every slot's fence (before the memory is freed).
+  // Waits until the build of the record committed last has finished (before the memory
+  // is freed); the same errors as acquire.
   void synchronize();
-  // Build ordering (docs/ZOS.md, "The runner contract"): from now on each acquire makes
-  // its stream wait for `built` (a CUevent recorded after each build that may run on
-  // another stream) before it records the fence, and records `staged` after it, which
-  // such a build waits for. 0, 0 turns it off.
+  // Build ordering (docs/ZOS.md, "The runner contract"): when a wait falls back to its
+  // fence, the stage's stream first waits for `built` (a CUevent recorded after each build
+  // that may run on another stream), so the fence comes after the last build wherever it
+  // ran. `staged` is unused here (the record is in host memory: a build waits for no
+  // device work of its stage). 0, 0 turns it off.
   void set_build_events(uint64_t built, uint64_t staged);
   uint64_t host_ptr() const { return reinterpret_cast<uint64_t>(host_); }
   uint64_t device_ptr() const { return device_; }
+  // The done word's host and device addresses (an int32 after the last slot).
+  uint64_t done_host_ptr() const { return reinterpret_cast<uint64_t>(done_word()); }
+  uint64_t done_device_ptr() const { return device_ + 4 * num_slots_ * slot_words_; }
+  int32_t done_seq() const { return __atomic_load_n(done_word(), __ATOMIC_ACQUIRE); }
   int64_t num_slots() const { return num_slots_; }
   int64_t slot_words() const { return slot_words_; }
   int64_t waits() const { return waits_; }  // acquires that found their slot still in use
 
  private:
+  int32_t* done_word() const { return host_ + num_slots_ * slot_words_; }
+  int32_t seq_of(int64_t slot) const;
+  // Whether the build of the record with SEQ `seq` has finished, given that `newest` is the
+  // SEQ of the record committed last (records are applied in SEQ order).
+  bool applied(int32_t seq, int32_t newest) const;
+  // Blocks until applied(seq, newest): spins on the done word while polling a fence
+  // recorded now on `stream` (after `built`). Throws std::runtime_error when the fence
+  // completes and the done word has not reached seq (the record was staged but its build
+  // was never enqueued: rule 2 of the runner contract), or when the driver reports an error.
+  void wait_applied(int32_t seq, int32_t newest, uint64_t stream);
+
   int64_t num_slots_, slot_words_;
   void* ctx_ = nullptr;
   int retained_ = -1;  // the device whose primary context ctx_ is (retained), else -1
   int32_t* host_ = nullptr;
   uint64_t device_ = 0;
-  std::vector<void*> fence_;
-  int next_ = 0, pending_ = -1;
+  void* fence_ = nullptr;
+  int next_ = 0;
+  int64_t commits_ = 0;
   uint64_t last_stream_ = 0;
   int64_t waits_ = 0;
   void* built_ = nullptr;
-  void* staged_ = nullptr;
 };
 
 // Launches an instantiated CUDA graph (a CUgraphExec, i.e. a cudaGraphExec_t) of `device` on

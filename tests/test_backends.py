@@ -590,10 +590,13 @@ class _MovingWorkload:
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="a stalled stream needs a GPU")
 @pytest.mark.parametrize("ring_slots", [2, 4])
-def test_stalled_ring_matches_host_built(ring_slots):
+@pytest.mark.parametrize("fused", [False, True], ids=["stage-build", "prepare"])
+def test_stalled_ring_matches_host_built(ring_slots, fused):
     """The zero-copy ring under a stalled stream, N >= 256 with moves: a spin kernel queued
     before each prep graph replay keeps the GPU behind, so the host stages up to K steps
-    ahead and rewrites each slot right after its fence. After every step every metadata
+    ahead and rewrites each slot as soon as the done word shows its build finished. Steps
+    run as ``stage`` then ``build``, or as ``prepare`` (one native call stages the step and
+    launches its graph). After every step every metadata
     buffer of the padded step is compared on the device with the host-built backend (its
     buffers on the CPU, uploaded after the replay); the mismatches are summed there and read
     once at the end."""
@@ -611,18 +614,23 @@ def test_stalled_ring_matches_host_built(ring_slots):
     sizes = []
     for _ in range(steps):
         step = wl.next_step()
-        gpu_busy(2000, elapsed)  # the replay below waits behind 2 ms of GPU work
-        plan = dev.stage(step)
-        dev.build(plan.padded_size)
-        want = host.prepare(step)
-        sizes.append(plan.num_reqs)
-        md = dev.metadata(plan)
+        gpu_busy(4000, elapsed)  # the build below waits behind 4 ms of GPU work: longer
+        # than the host's step here (the host-built reference, the compares), so the host
+        # runs K steps ahead and waits for the done word
+        if fused:
+            md = dev.prepare(step)
+        else:
+            plan = dev.stage(step)
+            dev.build(plan.padded_size)
+            md = dev.metadata(plan)
+        want, n = host.prepare(step), step.num_reqs
+        sizes.append(n)
         for i, f in enumerate(FIELDS):
             ref = getattr(want, f).pin_memory().to("cuda", non_blocking=True)
             mismatches[i] += (getattr(md, f) != ref).sum()
-        toks = torch.from_numpy(rng.integers(0, VOCAB, plan.num_reqs).astype(np.int32))
-        host.buffers.sampled[: plan.num_reqs] = toks
-        dev.buffers.sampled[: plan.num_reqs].copy_(toks.pin_memory(), non_blocking=True)
+        toks = torch.from_numpy(rng.integers(0, VOCAB, n).astype(np.int32))
+        host.buffers.sampled[:n] = toks
+        dev.buffers.sampled[:n].copy_(toks.pin_memory(), non_blocking=True)
     torch.cuda.synchronize()
     assert dict(zip(FIELDS, mismatches.tolist())) == dict.fromkeys(FIELDS, 0)
     assert min(sizes) >= 256
@@ -690,3 +698,32 @@ def test_build_of_a_backend_with_prep_graphs_is_capturable(staging):
         got = dev.metadata(plan)
         torch.cuda.synchronize()
         _same_fields_then_sample(i, want, got, rng, step.num_reqs, host, dev)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="prep graphs need a GPU")
+@pytest.mark.parametrize("staging", ["mapped", "copy"])
+def test_prepare_launches_the_prep_graph_from_the_stage_call(staging, monkeypatch):
+    """``prepare`` of a backend with prep graphs, on its own stream: the stage's native call
+    launches the graph (``build`` is not called); on another stream it stages and builds
+    apart (the build ordered by events). Every field equals the host-built backend's after
+    every step."""
+    steps, bs, w, r = 12, 16, 64, 64
+    wl = _MovingWorkload(5, 40, r, bs, w)
+    kw = dict(num_kv_blocks=1 << 20, vocab_size=VOCAB, buckets=BucketTable([r]))
+    dev = DeviceMetadataBackend(DecodeBuffers(r, w, bs, device="cuda"), capture_prep=True,
+                                staging=staging, **kw)
+    host = HostMetadataBackend(DecodeBuffers(r, w, bs, device="cpu"), **kw)
+    builds, build = [], dev.build
+    monkeypatch.setattr(dev, "build", lambda size: (builds.append(size), build(size)))
+    side, rng = torch.cuda.Stream(), np.random.default_rng(3)
+    for i in range(steps):
+        step = wl.next_step()
+        off_stream = i % 3 == 2
+        with torch.cuda.stream(side if off_stream else torch.cuda.current_stream()):
+            got = dev.prepare(step)
+        want = host.prepare(step)
+        torch.cuda.synchronize()
+        assert builds == ([got.padded_size] if off_stream else []), i
+        builds.clear()
+        _same_fields_then_sample(i, want, got, rng, step.num_reqs, host, dev)
+    assert dev.build_order.off_stream_builds == steps // 3

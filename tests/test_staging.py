@@ -78,7 +78,7 @@ KERNEL_LAYOUT = dict(HEADER_WORDS="HEADER_WORDS", LIST_WORDS="LIST_WORDS",
                      NUM_RECORDS_WORD="NUM_RECORDS", NUM_LISTED_WORD="NUM_LISTED",
                      SEQ_WORD="SEQ", SEQ_MASK="SEQ_MASK",
                      **{f: f for f in LIST_FIELDS + RECORD_FIELDS})
-RING_STATE_NAMES = ("CTR", "LAST", "CUR", "CUR_N", "CUR_M", "CUR_C", "CUR_SEQ")
+RING_STATE_NAMES = ("CTR", "LAST", "CUR", "CUR_N", "CUR_M", "CUR_C", "CUR_SEQ", "FINISHED")
 
 
 def test_kernels_read_every_offset_from_zos_staging():

@@ -22,7 +22,7 @@ from zos import (
     kernels,
     staging,
 )
-from zos.staging_ring import ImmediateFences, StagingRing
+from zos.staging_ring import DoneWordFences, MappedPointer, StagingRing
 
 from helpers import DEVICE, Req, TraceGen, expected
 
@@ -229,27 +229,18 @@ class HeldStream:
         return stream
 
 
-class HeldFences(ImmediateFences):
-    """The ring's fence logic over ``HeldStream``: a fence is done when the stream has run
-    past the point where it was recorded. Checks at each acquire that the build that last
-    read the slot has run."""
+class HeldFences(DoneWordFences):
+    """The ring's acquire logic over ``HeldStream``: a wait runs the stream until the build of
+    the slot's record has written the done word. Checks at each acquire that the build that
+    last read the slot has run."""
 
-    def __init__(self, num_slots, stream):
-        super().__init__(num_slots)
+    def __init__(self, ring, stream):
+        super().__init__(ring.slots, ring.done_view.numpy())
         self.stream = stream
-        self.recorded, self.done = [0] * num_slots, [0] * num_slots
         self.acquires = 0
 
-    def record(self, slot):
-        self.recorded[slot] += 1
-        token = self.recorded[slot]
-        self.stream.enqueue(lambda: self.done.__setitem__(slot, token))
-
-    def query(self, slot):
-        return self.done[slot] == self.recorded[slot]
-
-    def wait(self, slot):
-        while not self.query(slot):
+    def wait(self, seq, newest):
+        while not self.applied(seq, newest):
             self.stream.run_one()
 
     def acquire(self, stream=0):
@@ -269,7 +260,7 @@ def test_ring_steps_in_flight(monkeypatch, num_slots):
     metadata (read when its build runs) equals the truth."""
     stream = HeldStream.holding_builds(monkeypatch)
     dev = make("mapped", ring_slots=num_slots)
-    fences = dev.ring.fences = HeldFences(num_slots, stream)
+    fences = dev.ring.fences = HeldFences(dev.ring, stream)
     gen = TraceGen(7, max_num_reqs=24, block_size=BS, max_blocks=W, num_kv_blocks=NUM_BLOCKS,
                    vocab=VOCAB)
     got, truth = [], []
@@ -337,21 +328,31 @@ def test_ring_arguments():
 @pytest.mark.skipif(DEVICE != "cuda", reason="the native ring maps memory through CUDA")
 def test_native_ring_stage_into_ring():
     """``StepPacker.stage_into_ring`` writes the record ``pack`` writes into slot n mod K with
-    its SEQ; a refused step neither writes nor commits a slot; the fences wait only when the
-    host is K steps ahead of a stalled stream."""
+    its SEQ; a refused step neither writes nor commits a slot; a slot is taken again only
+    once the done word (written here by a one-word kernel queued behind a stalled stream, as
+    a build would) has reached its record's SEQ, and the host waits only when K steps ahead."""
+    import triton
+    import triton.language as tl
+
     from zos._C import MappedRing
     from zos.serving.profiling import gpu_busy
 
+    @triton.jit(do_not_specialize=["value"])  # one compile for every value (1 included)
+    def set_word(ptr, value):
+        tl.store(ptr, value)
+
     ring, ref = MappedRing(2, 256, torch.cuda.current_device()), packer()
     p, out = packer(), np.zeros(256, np.int32)
-    slots = ring.array()
+    slots, done = ring.array(), MappedPointer(ring.done_device_ptr)
     stream = torch.cuda.current_stream().cuda_stream
     # Request 5 is at position 3 (block [7], 4 tokens per block): it moves to row 1 at
     # position 4 in the second step, which opens block column 1, so that step appends.
     steps = [DecodeStep.build([5, 6], {0: (1, 3, [7]), 1: (2, 0, [8])}),
              DecodeStep.build([6, 5], appends=[(1, 9)]), DecodeStep.build([6, 5])]
+    set_word[(1,)](done, 0)  # compiled now, not while the stream below is stalled
+    torch.cuda.synchronize()
     elapsed = torch.zeros(1, dtype=torch.int64, device="cuda")
-    gpu_busy(200_000, elapsed)  # 0.2 s: the fences recorded below stay pending
+    gpu_busy(200_000, elapsed)  # 0.2 s: the "builds" queued below stay pending
     for n, step in enumerate(steps):
         words = p.stage_into_ring(ring, stream, n + 1, step)
         assert words == pack(ref, step, out)
@@ -363,8 +364,30 @@ def test_native_ring_stage_into_ring():
                 p.stage_into_ring(ring, stream, 9, dataclasses.replace(
                     step, req_ids=np.array([5, 5], np.int64)))
             assert (slots == before).all()
-    assert ring.waits == 1  # the third step's slot was read by the stalled first step
+        set_word[(1,)](done, n + 1)  # the build of record n + 1
+    assert ring.waits == 1  # the third step's slot held the first record, built after 0.2 s
+    assert ring.done_seq >= 1
     ring.synchronize()
+    assert ring.done_seq == 3
+
+
+@pytest.mark.parametrize("num_slots", [1, 3])
+def test_stage_without_build_is_refused(num_slots):
+    """Rule 2 of the runner contract, checked where it bites: a stage that needs the slot of a
+    record staged and never built raises RuntimeError (on CUDA once the stream has drained
+    without the build: no hang), and the next step, all new rows, runs normally."""
+    dev = make("mapped", ring_slots=num_slots)
+    for i in range(num_slots):  # K records staged, none built
+        dev.stage(DecodeStep.build([10 + i], {0: (1, 0, [9])}))
+    slots = dev.ring.slots.copy()
+    with pytest.raises(RuntimeError, match="staged but no build read it"):
+        dev.stage(DecodeStep.build([20], {0: (3, 1, [9])}))
+    assert (dev.ring.slots == slots).all() and dev.prev_num_reqs == 0  # packer reset
+    for _ in range(num_slots):  # the device applies the stale records in order, then catches up
+        dev.build(4)
+    md = dev.prepare(DecodeStep.build([21], {0: (4, 2, [10])}))
+    assert md.input_ids[:1].tolist() == [4] and md.positions[:1].tolist() == [2]
+    assert dev.ring.done_seq == num_slots + 1
 
 
 def steady_steps(n, w, bs, num_steps, seed):
@@ -412,7 +435,7 @@ def test_ring_full_record_at_512_rows_with_builds_in_flight(monkeypatch):
     stream = HeldStream.holding_builds(monkeypatch)
     dev = DeviceMetadataBackend(DecodeBuffers(n, w, bs, device=DEVICE), staging="mapped",
                                 ring_slots=k, **common)
-    fences = dev.ring.fences = HeldFences(k, stream)
+    fences = dev.ring.fences = HeldFences(dev.ring, stream)
     got, want = [], []
     for i, step in enumerate(steps):
         plan = dev.stage(step)

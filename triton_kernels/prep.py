@@ -33,11 +33,12 @@ program 0, CUR and the copy of the record's header (CUR_N, CUR_M, CUR_C, CUR_SEQ
 copy, the record's entries, the row map and scratch of its own row r, its own row's previous
 state and ``sampled``/``accepted``; it writes only row r (and resets row r's row-map entry),
 and program 0 the counts, ``query_start_loc[0]``, CTR and LAST, which no other program of
-launch 2 reads. Inside one program: its warps do not run in step, so a word one warp writes
-may be read late by another. ``rebuild_rows`` reads every word it will write (row r's
-row-map entry, position, block count and block-table columns, LAST) before one
-``tl.debug_barrier()`` and writes only after it; ``scatter_listed_rows`` writes no word it
-reads.
+launch 2 reads; each program then counts itself done in FINISHED (an atomic add), and the last
+one writes the done word (docs/ZOS.md, "The done word"). Inside one program: its warps do not
+run in step, so a word one warp writes may be read late by another. ``rebuild_rows`` reads
+every word it will write (row r's row-map entry, position, block count and block-table
+columns, LAST) before one ``tl.debug_barrier()`` and writes only after it;
+``scatter_listed_rows`` writes no word it reads.
 
 Masks that combine a per-row flag with a per-column mask are written
 ``tl.where(flag, mask, False)``: Triton's CPU interpreter rejects the plain
@@ -71,7 +72,8 @@ R_BLK_OFF = tl.constexpr(_layout.R_BLK_OFF)  # row record: its first block id in
 # The ring state the prep kernels keep on the device (zos.kernels.PrepState.state), int32
 # words: CTR, the slot the next new record lies in; LAST, the SEQ of the last record applied;
 # CUR, the slot the running build applies, and CUR_N, CUR_M, CUR_C, CUR_SEQ, its record's N,
-# M, C and SEQ (written by launch 1, read by launch 2 from device memory).
+# M, C and SEQ (written by launch 1, read by launch 2 from device memory); FINISHED, the
+# programs of the running launch 2 that have finished (0 between builds).
 CTR = tl.constexpr(0)
 LAST = tl.constexpr(1)
 CUR = tl.constexpr(2)
@@ -79,7 +81,8 @@ CUR_N = tl.constexpr(3)
 CUR_M = tl.constexpr(4)
 CUR_C = tl.constexpr(5)
 CUR_SEQ = tl.constexpr(6)
-RING_STATE_WORDS = 8  # words of the ring state (one spare)
+FINISHED = tl.constexpr(7)
+RING_STATE_WORDS = 8  # words of the ring state
 # A row-map entry (src, rec) that launch 1 did not write: the row holds its request in place.
 IN_PLACE = tl.constexpr(-2)
 
@@ -142,7 +145,7 @@ def scatter_listed_rows(ring_ptr, state_ptr, num_slots, slot_words, row_map_ptr,
 
 
 @triton.jit
-def rebuild_rows(ring_ptr, state_ptr, num_slots, slot_words, row_map_ptr,
+def rebuild_rows(ring_ptr, state_ptr, num_slots, slot_words, row_map_ptr, done_ptr,
                  sampled_ptr, accepted_ptr,
                  input_ids_ptr, positions_ptr, slot_mapping_ptr, seq_lens_ptr, qsl_ptr,
                  block_table_ptr, num_blocks_per_row_ptr, counts_ptr,
@@ -161,7 +164,9 @@ def rebuild_rows(ring_ptr, state_ptr, num_slots, slot_words, row_map_ptr,
     query_start_loc int32 [R+1] (entry r+1; program 0 also entry 0), block_table int32
     [R, bt_stride] (columns written and the previous occupant's cleared to null_block),
     num_blocks_per_row int32 [R], and program 0 counts int32 [2] = (N, N*Q) and, when the
-    record was new, the ring state's CTR (next slot) and LAST (its SEQ). Rows r >= N get
+    record was new, the ring state's CTR (next slot) and LAST (its SEQ); every program adds
+    one to the ring state's FINISHED when it is done, and the last one resets it and writes
+    the record's SEQ to done_ptr (int32 [1]: the ring's done word). Rows r >= N get
     the dummy values of the padding ledger, from the buffers' PaddingProfile:
     pad_token_id, position 0, seq_len_fill, slot pad_slot_id (int64) and null_block in
     the columns a previous occupant used.
@@ -264,3 +269,13 @@ def rebuild_rows(ring_ptr, state_ptr, num_slots, slot_words, row_map_ptr,
         if seq == ((last + 1) & SEQ_MASK):  # a new record: consumed
             tl.store(state_ptr + LAST, seq)
             tl.store(state_ptr + CTR, (ring_slot + 1) % num_slots)
+    # The done word: the last program of this launch to finish writes the SEQ of the record
+    # this build applied to ``done_ptr`` (the staging ring's mapped word, which the host reads
+    # before it rewrites a slot). Every read of the record by this program precedes the
+    # barrier (its values feed the stores above); the atomic orders them (release) before
+    # the count, and launch 1 finished reading before this launch began.
+    tl.debug_barrier()
+    finished = tl.atomic_add(state_ptr + FINISHED, 1, sem="acq_rel")
+    if finished == tl.num_programs(0) - 1:
+        tl.store(state_ptr + FINISHED, 0)
+        tl.store(done_ptr, seq)

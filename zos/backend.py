@@ -136,13 +136,17 @@ class MetadataBackend:
                 reference.
             RuntimeError: another backend has taken these buffers over since this one was built.
         """
+        self._check_owner()
+        if type(min_padded_size) is not int or min_padded_size:  # 0: the plain step
+            self.check_min_padded_size(min_padded_size)
+        return self._stage(step, min_padded_size)
+
+    def _check_owner(self) -> None:
+        """RuntimeError unless these buffers are still this backend's (``_take_over``)."""
         if self.buffers.owner is not self:
             raise RuntimeError(f"{type(self).__name__}: another backend "
                                f"({type(self.buffers.owner).__name__}) has taken these buffers "
                                f"over; build a new backend to use them again")
-        if type(min_padded_size) is not int or min_padded_size:  # 0: the plain step
-            self.check_min_padded_size(min_padded_size)
-        return self._stage(step, min_padded_size)
 
     def _stage(self, step: DecodeStep, min_padded_size: int = 0) -> StepPlan:
         raise NotImplementedError

@@ -10,7 +10,7 @@ from zos._C import PinnedUpload, launch_graph
 from zos._checks import check_int
 from zos.backend import MetadataBackend, StepPlan
 from zos.buckets import BucketTable
-from zos.buffers import DecodeBuffers
+from zos.buffers import DecodeBuffers, StepMetadata
 from zos.graphs import capture_per_bucket
 from zos.kernels import PrepState, launch_prep
 from zos.staging import HEADER_WORDS, SEQ_MASK
@@ -31,16 +31,18 @@ class DeviceMetadataBackend(MetadataBackend):
     rows, rows with appended blocks and rewritten rows; L block ids: new and rewritten rows'
     whole lists and appended blocks): a row that keeps its request and gets no block costs
     no word and, in plain decode, no host work. On the device:
-    ``launch_prep`` (two kernels) rebuilds every field in place.
+    ``launch_prep`` (two kernels) rebuilds every field in place. ``prepare`` with a prep
+    graph (``capture_prep=True``) launches it from the same native call.
 
     Where the record goes (``staging``):
 
     - ``"mapped"`` (default): into slot n mod K of a :class:`zos.staging_ring.StagingRing`
       of K = ``ring_slots`` records in mapped pinned host memory, which the prep kernels
       read in place (no copy call); they pick the slot themselves from a ring state on the
-      device, and the host rewrites a slot only after the build that read it has finished
-      (one fence per slot: the host waits only when K steps ahead). ``last_upload_bytes``
-      is then the record's bytes, which the GPU reads from host memory.
+      device, and write the SEQ of each record they have finished reading into the ring's
+      done word, so the host rewrites a slot only after the build that read it has finished
+      at the cost of one load (it waits only when K steps ahead). ``last_upload_bytes`` is
+      then the record's bytes, which the GPU reads from host memory.
     - ``"copy"``: into one of two pinned buffers, and one H2D copy of it into
       ``buffers.staging`` is enqueued natively (``PinnedUpload``: CUDA driver API, no torch
       dispatch), each buffer fenced by an event recorded after its copy (the fallback;
@@ -124,7 +126,8 @@ class DeviceMetadataBackend(MetadataBackend):
             if cuda:
                 self._native_ring = self._ring.fences  # zos._C.MappedRing
             self._prep_args = dict(ring=self._ring.device_view, num_slots=ring_slots,
-                                   slot_words=words, state=self._prep)
+                                   slot_words=words, state=self._prep,
+                                   done=self._ring.done_view)
         else:
             self._pinned = [torch.zeros(words, dtype=torch.int32, pin_memory=cuda)
                             for _ in range(2)]
@@ -185,18 +188,22 @@ class DeviceMetadataBackend(MetadataBackend):
         if self._order is not None:
             self._order.stream = stream
 
-    def _stage(self, step: DecodeStep, min_padded_size: int = 0) -> StepPlan:
+    def _stage(self, step: DecodeStep, min_padded_size: int = 0,
+               graph_exec: int = 0) -> StepPlan:
         """Pack ``step`` into the next ring slot (or copy its record into ``buffers.staging``).
 
-        "mapped": the slot's fence is waited for only when the host is K steps ahead; the
-        fence of the slot staged last is recorded on ``self.stream`` here, after that step's
-        build. "copy": the H2D copy is issued natively on ``self.stream`` (its handle cached:
-        no stream query per step). ``build`` must run on that stream (see the class
-        docstring). A step of padded size 0 runs no prep kernel: its record is validated
-        and committed to the packer's mirror but written nowhere the device reads. Raises
-        ValueError/TypeError (from the packer) before anything is written to the device, to
-        a slot the device reads or to the packer's mirror, and RuntimeError if the driver
-        rejects a call (the packer is then reset: the next step must be all new rows).
+        "mapped": the slot is taken once the done word shows that the build of the record it
+        holds has finished (a wait only when the host is K steps ahead). "copy": the H2D
+        copy is issued natively on ``self.stream`` (its handle cached: no stream query per
+        step). ``build`` must run on that stream (see the class docstring). With
+        ``graph_exec`` (the step's prep graph, from ``prepare``) the same native call then
+        launches it on ``self.stream``: the step's build. A step of padded size 0 runs no
+        prep kernel: its record is validated and committed to the packer's mirror but
+        written nowhere the device reads. Raises ValueError/TypeError (from the packer)
+        before anything is written to the device, to a slot the device reads or to the
+        packer's mirror, and RuntimeError if the driver rejects a call, or a mapped stage
+        finds a record staged and never built (the packer is then reset: the next step must
+        be all new rows).
         """
         plan = self.plan(step.num_reqs, min_padded_size)
         if plan.padded_size == 0:  # no build reads it: keep the SEQ chain for the next one
@@ -205,12 +212,13 @@ class DeviceMetadataBackend(MetadataBackend):
             return plan
         seq = (self._seq + 1) & SEQ_MASK
         try:
-            if self._native_ring is not None:  # fences, pack and commit in one native call
+            if self._native_ring is not None:  # slot, pack, commit (and launch): one call
                 words = self.packer.stage_into_ring(self._native_ring, self._stream_handle, seq,
-                                                    step)
-            elif self._upload is not None:  # fence, pack and H2D copy in one native call
-                words = self.packer.stage_upload(self._upload, self._stream_handle, seq, step)
-            elif self._ring is not None:  # CPU: the ring's fences are complete at once
+                                                    step, graph_exec, self._device_index)
+            elif self._upload is not None:  # fence, pack and H2D copy (and launch): one call
+                words = self.packer.stage_upload(self._upload, self._stream_handle, seq, step,
+                                                 graph_exec, self._device_index)
+            elif self._ring is not None:  # CPU: the same slot logic in Python
                 words = self.packer.pack_step(step, self._ring.acquire(self._stream_handle), seq)
                 self._ring.commit()
             else:  # CPU copy path: a plain tensor copy
@@ -222,6 +230,20 @@ class DeviceMetadataBackend(MetadataBackend):
         self._seq = seq
         self.last_upload_bytes = 4 * words
         return plan
+
+    def prepare(self, step: DecodeStep) -> StepMetadata:
+        """``stage(step)``, ``build(plan.padded_size)``, ``metadata(plan)``. When the step's
+        padded size has a prep graph and a build now would run eagerly on ``self.stream``
+        (``BuildOrder.eager_on_stream``), the stage and the graph's launch are one native
+        call. Raises as ``stage`` and ``build``."""
+        self._check_owner()
+        graph_exec = self._graph_execs.get(self.plan(step.num_reqs).padded_size, 0)
+        if graph_exec and not self._order.eager_on_stream():
+            graph_exec = 0
+        plan = self._stage(step, 0, graph_exec)
+        if not graph_exec:
+            self.build(plan.padded_size)
+        return self.metadata(plan)
 
     @property
     def prep_graphs(self) -> dict[int, torch.cuda.CUDAGraph]:
@@ -255,8 +277,7 @@ class DeviceMetadataBackend(MetadataBackend):
             self.buffers.counts.zero_()
         else:
             graph_exec = self._graph_execs.get(padded_size)
-            if padded_size not in self._graphs or (
-                    joined is not None and torch.cuda.is_current_stream_capturing()):
+            if padded_size not in self._graphs or (joined is not None and order.capturing):
                 # No graph of this size, or captured into the caller's graph: the kernels
                 # themselves (a graph launch cannot be captured on a stream).
                 launch_prep(self.buffers, padded_size, **self._prep_args)

@@ -12,11 +12,13 @@ from zos.buffers import DecodeBuffers
 from zos.triton_kernels import prep
 from zos.triton_kernels.prep import rebuild_rows, scatter_listed_rows
 
-# The ring state's word offsets (CTR, LAST, CUR, CUR_N, CUR_M, CUR_C, CUR_SEQ) and the row
-# map's IN_PLACE, as plain ints for the host: the kernels read the same values as constexpr
-# globals of zos.triton_kernels.prep, where they are defined (with the staging layout).
+# The ring state's word offsets (CTR, LAST, CUR, CUR_N, CUR_M, CUR_C, CUR_SEQ, FINISHED) and
+# the row map's IN_PLACE, as plain ints for the host: the kernels read the same values as
+# constexpr globals of zos.triton_kernels.prep, where they are defined (with the staging
+# layout).
 RING_STATE = {name: getattr(prep, name).value
-              for name in ("CTR", "LAST", "CUR", "CUR_N", "CUR_M", "CUR_C", "CUR_SEQ")}
+              for name in ("CTR", "LAST", "CUR", "CUR_N", "CUR_M", "CUR_C", "CUR_SEQ",
+                           "FINISHED")}
 RING_STATE_WORDS = prep.RING_STATE_WORDS
 IN_PLACE = prep.IN_PLACE.value
 
@@ -32,6 +34,8 @@ class PrepState:
         row_map: int32 [max_num_reqs, 2] on the buffers' device: (src, rec) of the rows the
             running build lists, (IN_PLACE, -1) for every row between builds (launch 1
             writes the listed rows' entries, launch 2 reads and resets them).
+        done: int32 [1] on the buffers' device: the done word of builds given none (the
+            SEQ of the record applied last; the copy path's, which no host reads).
     """
 
     def __init__(self, buffers: DecodeBuffers) -> None:
@@ -40,6 +44,7 @@ class PrepState:
         self.row_map = torch.empty((buffers.max_num_reqs, 2), **i32)
         self.row_map[:, 0] = IN_PLACE
         self.row_map[:, 1] = -1
+        self.done = torch.zeros(1, **i32)
 
 
 def _default_state(buffers: DecodeBuffers) -> PrepState:
@@ -52,7 +57,7 @@ def _default_state(buffers: DecodeBuffers) -> PrepState:
 
 def launch_prep(buffers: DecodeBuffers, padded_size: int, *, ring: Any = None,
                 num_slots: int = 1, slot_words: int | None = None,
-                state: PrepState | None = None) -> None:
+                state: PrepState | None = None, done: Any = None) -> None:
     """Rebuild the metadata of a step padded to ``padded_size`` token rows, in place.
 
     Reads the staged record (layout: csrc/staging.h; real row count N at word
@@ -67,7 +72,9 @@ def launch_prep(buffers: DecodeBuffers, padded_size: int, *, ring: Any = None,
     [0, padded_size)), ``seq_lens``, ``query_start_loc``, ``block_table``,
     ``num_blocks_per_row`` (request rows [0, padded_size // q)) and ``counts``, and the ring
     state; rows past the real N get the dummy values of ``buffers.padding`` (the runner's
-    PaddingProfile). Two launches, grid (padded_size // q,), no host synchronisation and no
+    PaddingProfile). When the build has finished reading the record, its SEQ is written to
+    ``done`` (int32 [1]: the ring's done word, ``StagingRing.done_view``; by default
+    ``state.done``). Two launches, grid (padded_size // q,), no host synchronisation and no
     host value of N or of the slot: capturable once per bucket.
 
     Raises:
@@ -89,7 +96,8 @@ def launch_prep(buffers: DecodeBuffers, padded_size: int, *, ring: Any = None,
         b.scratch_pos, b.scratch_num_blocks_per_row, b.scratch_block_table, w,
         Q=q, BLOCK_W=block_w)
     rebuild_rows[grid](
-        ring, st.state, num_slots, slot_words, st.row_map, b.sampled, b.accepted,
+        ring, st.state, num_slots, slot_words, st.row_map,
+        done if done is not None else st.done, b.sampled, b.accepted,
         b.input_ids, b.positions, b.slot_mapping, b.seq_lens, b.query_start_loc,
         b.block_table, b.num_blocks_per_row, b.counts,
         b.scratch_pos, b.scratch_num_blocks_per_row, b.scratch_block_table,

@@ -1,27 +1,32 @@
 """The zero-copy staging ring: K staging records the prep kernels read where the host wrote
-them, one fence per slot (docs/ZOS.md, "The staging record").
+them, and a done word the kernels write back (docs/ZOS.md, "The staging record", "The done
+word").
 
 Step n's record goes into slot n mod K. The graph finds it without any per-step upload: the
 prep kernels keep a ring state on the device (``zos.kernels.PrepState``: CTR, the slot of
 the next new record, and LAST, the SEQ of the last record applied), take slot CTR when its
 record's SEQ is the one after LAST and advance CTR and LAST themselves. The host writes
-slot k only after the build that last read it has finished: at each ``acquire`` the slot
-committed last gets its fence (recorded on the stream after that step's build was
-enqueued), and the host waits for the next slot's fence, which is pending only when the
-host is K steps ahead of the device.
+slot k only after the build that last read it has finished. The kernels say so themselves:
+the last program of each build writes the SEQ of the record it applied into the done word,
+after every program has finished reading the record. ``acquire`` reads the done word: a
+slot whose record's SEQ it has reached is free, at the cost of one load and no driver call;
+otherwise (the host K steps ahead of the device) it waits for the word, polling a fence that
+tells it when a build that never ran (a stage without its build) leaves it waiting for
+nothing.
 
-On CUDA the records live in pinned host memory mapped into the device's address space
-(``zos._C.MappedRing``: cuMemHostAlloc with DEVICEMAP, the device address from
-cuMemHostGetDevicePointer) and the fences are CUDA events, both driven from C++. Triton
-gets the records as a CPU torch tensor over that memory: Triton's CUDA launcher turns every
-pointer argument into a device address with cuPointerGetAttribute(DEVICE_POINTER), which
-resolves a mapped host address (triton/backends/nvidia/driver.c, ``extractPointer``). A
-one-word probe kernel checks this when the ring is built; if the launcher refuses the
-tensor, the ring falls back to a :class:`MappedPointer` (an object with ``data_ptr()``
-returning the device address and ``dtype``, which Triton also accepts). Without CUDA the records
-are a plain CPU tensor, which the interpreted kernels read directly, and the fences are
-:class:`ImmediateFences`: complete at once, with the same acquire/commit logic as the
-native ring, so tests can replace ``query`` and ``wait`` to hold steps in flight.
+On CUDA the records and the done word live in pinned host memory mapped into the device's
+address space (``zos._C.MappedRing``: cuMemHostAlloc with DEVICEMAP, the device address from
+cuMemHostGetDevicePointer), driven from C++. Triton gets them as CPU torch tensors over that
+memory: Triton's CUDA launcher turns every pointer argument into a device address with
+cuPointerGetAttribute(DEVICE_POINTER), which resolves a mapped host address
+(triton/backends/nvidia/driver.c, ``extractPointer``). A one-word probe kernel checks this when
+the ring is built; if the launcher refuses the tensor, the ring falls back to
+:class:`MappedPointer` (an object with ``data_ptr()`` returning the device address and
+``dtype``, which Triton also accepts). Without CUDA the records and the word are a plain CPU
+tensor, which the interpreted kernels read and write directly, and :class:`DoneWordFences`
+runs the native ring's acquire/commit logic on them; there every build has run by the time
+the host stages again, so its ``wait`` (which tests replace to hold steps in flight) finds a
+record that was never built.
 """
 from __future__ import annotations
 
@@ -35,38 +40,43 @@ import triton.language as tl
 from zos import staging
 from zos._checks import check_int
 
+# Words the ring holds after its slots (the done word, then the rest of its cache line):
+# csrc/upload.cpp's kDoneWords.
+DONE_WORDS = 16
+
 
 @triton.jit
-def _probe_kernel(ring_ptr, out_ptr):
-    tl.store(out_ptr, tl.load(ring_ptr))
+def _probe_kernel(ring_ptr, done_ptr):
+    tl.store(done_ptr, tl.load(ring_ptr))
 
 
-def _mapped_view(ring, device: torch.device):
-    """The pointer argument the prep kernels get for a native ``MappedRing`` (module
-    docstring): a CPU tensor over the mapped memory if Triton's launcher accepts it and the
-    kernel reads the host's word through it, else a :class:`MappedPointer`.
+def _mapped_views(ring, device: torch.device):
+    """The pointer arguments the prep kernels get for a native ``MappedRing`` (module
+    docstring): (records, done word) as CPU tensors over the mapped memory if Triton's
+    launcher accepts them and a kernel copies the host's word from the first slot into the
+    done word through them, else as :class:`MappedPointer` objects.
 
     Raises:
-        RuntimeError: neither reads the word the host wrote.
+        RuntimeError: neither carries the word the host wrote.
     """
-    slots = ring.array()
-    out = torch.zeros(1, dtype=torch.int32, device=device)
+    slots, done = ring.array(), ring.done_array()
     errors = []
-    for view in (torch.from_numpy(slots).view(-1), MappedPointer(ring.device_ptr)):
+    for views in ((torch.from_numpy(slots).view(-1), torch.from_numpy(done)),
+                  (MappedPointer(ring.device_ptr), MappedPointer(ring.done_device_ptr))):
+        kind = type(views[0]).__name__
         slots[0, 0] = canary = 0x5A5A1234
         try:
-            out.zero_()
-            _probe_kernel[(1,)](view, out)
+            _probe_kernel[(1,)](*views)
             torch.cuda.synchronize(device)
-            got = int(out.item())
+            got = int(done[0])
         except (TypeError, ValueError, RuntimeError) as e:  # the launcher refused it
-            errors.append(f"{type(view).__name__}: {e}")
+            errors.append(f"{kind}: {e}")
             continue
         finally:
-            slots[0, 0] = 0
+            slots[0, 0] = done[0] = 0
         if got == canary:
-            return view
-        errors.append(f"{type(view).__name__}: read {got:#x}, not {canary:#x}")
+            return views
+        errors.append(f"{kind}: carried {got:#x}, not {canary:#x}")
     raise RuntimeError("the prep kernels cannot read the mapped staging ring ("
                        + "; ".join(errors) + "); use staging='copy'")
 
@@ -89,61 +99,82 @@ class MappedPointer:
         return self.address
 
 
-class ImmediateFences:
-    """One fence per ring slot, complete at once (CPU: every build has finished when the
-    host stages the next step). The acquire/commit logic is the native ring's
-    (``zos._C.MappedRing``); ``record``, ``query`` and ``wait`` are the only device calls and
-    do nothing here.
+def applied(done: int, seq: int, newest: int) -> bool:
+    """Whether the build of the record with SEQ ``seq`` has finished, when the done word holds
+    ``done`` and ``newest`` is the SEQ of the record committed last: builds apply records in
+    SEQ order and none runs ahead of the last commit, so ``done`` lies in [seq, newest]
+    modulo SEQ_MASK + 1 (csrc/upload.cpp, ``MappedRing::applied``)."""
+    return ((done - seq) & staging.SEQ_MASK) <= ((newest - seq) & staging.SEQ_MASK)
+
+
+class DoneWordFences:
+    """The native ring's acquire/commit logic (``zos._C.MappedRing``) over a CPU ring: a slot
+    is free once the done word has reached the SEQ of the record it holds.
+
+    Args:
+        slots: int32 numpy [num_slots, slot_words], the records.
+        done: int32 numpy [1], the done word the interpreted kernels write.
 
     Attributes:
         num_slots: K.
-        waits: acquires that found their slot's fence pending (never here, unless ``query``
-            is replaced).
+        waits: acquires that found their slot's record not yet built.
     """
 
-    def __init__(self, num_slots: int) -> None:
-        self.num_slots = num_slots
+    def __init__(self, slots: np.ndarray, done: np.ndarray) -> None:
+        self.slots, self.done = slots, done
+        self.num_slots = slots.shape[0]
         self.waits = 0
         self._next = 0
-        self._pending = -1
+        self._commits = 0
 
-    def record(self, slot: int) -> None:
-        """Record slot ``slot``'s fence after the work enqueued so far (nothing on a CPU)."""
+    @property
+    def done_seq(self) -> int:
+        """The done word: the SEQ of the record whose build finished last."""
+        return int(self.done[0])
 
-    def query(self, slot: int) -> bool:
-        """Whether slot ``slot``'s fence is complete (always, on a CPU)."""
-        return True
-
-    def wait(self, slot: int) -> None:
-        """Block until slot ``slot``'s fence is complete (nothing to wait for on a CPU)."""
+    def applied(self, seq: int, newest: int) -> bool:
+        """Whether the build of the record with SEQ ``seq`` has finished (:func:`applied`)."""
+        return applied(self.done_seq, seq, newest)
 
     def acquire(self, stream: int = 0) -> int:
-        """Fence the slot committed last, wait for the next slot's fence; returns that slot."""
-        if self._pending >= 0:
-            self.record(self._pending)
-            self._pending = -1
-        if not self.query(self._next):
-            self.waits += 1
-            self.wait(self._next)
-        return self._next
+        """The next slot, once the build of the record it holds (if any) has finished."""
+        k = self._next
+        if self._commits >= self.num_slots:
+            seq, newest = int(self.slots[k, staging.SEQ]), int(self.slots[k - 1, staging.SEQ])
+            if not self.applied(seq, newest):
+                self.waits += 1
+                self.wait(seq, newest)
+        return k
+
+    def wait(self, seq: int, newest: int) -> None:
+        """Block until the build of record ``seq`` has finished. On a CPU every build has run
+        when the host stages again, so the record was never built.
+
+        Raises:
+            RuntimeError: always (rule 2 of docs/ZOS.md, "The runner contract").
+        """
+        raise RuntimeError(
+            f"zos: the record with SEQ {seq} was staged but no build read it (the done word "
+            f"is at SEQ {self.done_seq}): every stage must be followed by its build before the "
+            f"next stage (docs/ZOS.md, \"The runner contract\", rule 2)")
 
     def commit(self) -> None:
-        """The acquired slot holds a staged record: the next acquire fences it."""
-        self._pending = self._next
+        """The acquired slot holds a staged record: the next acquire takes the following
+        slot."""
+        self._commits += 1
         self._next = (self._next + 1) % self.num_slots
 
     def synchronize(self) -> None:
-        """Fence the slot committed last and wait for every slot."""
-        if self._pending >= 0:
-            self.record(self._pending)
-            self._pending = -1
-        for k in range(self.num_slots):
-            self.wait(k)
+        """Wait until the build of the record committed last has finished."""
+        if self._commits:
+            newest = int(self.slots[self._next - 1, staging.SEQ])
+            if not self.applied(newest, newest):
+                self.wait(newest, newest)
 
 
 class StagingRing:
     """``num_slots`` staging records of ``slot_words`` int32 words that the prep kernels read in
-    place, each slot fenced (module docstring).
+    place, and the done word they write back (module docstring).
 
     Args:
         num_slots: K >= 1, steps the host may run ahead of the device.
@@ -151,7 +182,7 @@ class StagingRing:
         device: the buffers' device: on CUDA the records are mapped pinned memory
             (:class:`zos._C.MappedRing` over the device's primary context, on any thread:
             nothing needs to have touched CUDA before), elsewhere a CPU tensor with
-            :class:`ImmediateFences`.
+            :class:`DoneWordFences`.
 
     Attributes:
         slots: int32 numpy [num_slots, slot_words], the host's view (the packer writes a
@@ -159,7 +190,8 @@ class StagingRing:
         device_view: what the kernels get as the ring's pointer: on CUDA a CPU tensor over
             the mapped memory or a :class:`MappedPointer` (module docstring), the CPU
             tensor otherwise.
-        fences: the native ring (CUDA) or :class:`ImmediateFences`.
+        done_view: the same for the done word (int32 [1]): ``launch_prep``'s ``done``.
+        fences: the native ring (CUDA) or :class:`DoneWordFences`.
 
     Raises:
         TypeError: num_slots or slot_words not an int.
@@ -178,17 +210,21 @@ class StagingRing:
             # for its driver calls itself: it works on a thread that never touched CUDA.
             self.fences = MappedRing(num_slots, slot_words, index)
             with torch.cuda.device(index):
-                self.device_view = _mapped_view(self.fences, torch.device("cuda", index))
+                self.device_view, self.done_view = _mapped_views(
+                    self.fences, torch.device("cuda", index))
             self.slots = self.fences.array()
         else:
-            self._records = torch.zeros((num_slots, slot_words), dtype=torch.int32)
-            self.slots = self._records.numpy()
-            self.device_view = self._records
-            self.fences = ImmediateFences(num_slots)
+            words = num_slots * slot_words
+            self._memory = torch.zeros(words + DONE_WORDS, dtype=torch.int32)
+            self.device_view = self._memory[:words].view(num_slots, slot_words)
+            self.done_view = self._memory[words : words + 1]
+            self.slots = self.device_view.numpy()
+            self.fences = DoneWordFences(self.slots, self.done_view.numpy())
 
     def acquire(self, stream: int = 0) -> np.ndarray:
-        """Fence the slot staged last on ``stream`` (a raw CUstream handle; 0 on a CPU), wait
-        for the next slot's fence; returns that slot's record (int32 numpy [slot_words])."""
+        """The next slot's record (int32 numpy [slot_words]), once the build of the record it
+        holds has finished (``stream``: the stage's raw CUstream handle, 0 on a CPU, where a
+        waiting acquire places its fence)."""
         return self.slots[self.fences.acquire(stream)]
 
     def commit(self) -> None:
@@ -199,6 +235,11 @@ class StagingRing:
     def waits(self) -> int:
         """Acquires that found their slot still in use (the host was K steps ahead)."""
         return self.fences.waits
+
+    @property
+    def done_seq(self) -> int:
+        """The done word: the SEQ of the record whose build finished last."""
+        return self.fences.done_seq
 
     def synchronize(self) -> None:
         """Wait until no build reads any slot (before the records are freed)."""

@@ -11,8 +11,12 @@ captured into a CUDA graph, which the runner may replay on any stream) is ordere
 instead, so that no runner can get the order wrong:
 
 * ``built``: recorded on the build's stream right after the prep kernels (under capture: an
-  event-record node in the graph, recorded at every replay); each stage first makes
-  ``backend.stream`` wait for it, so its fences (and its copy) come after that build;
+  event-record node in the graph, recorded at every replay); on the copy path each stage
+  first makes ``backend.stream`` wait for it, so its copy comes after that build; on the
+  mapped path the build itself tells the host when it has finished reading its slot (the
+  ring's done word, written by the prep kernels), and only a stage that must wait for it
+  makes ``backend.stream`` wait for ``built`` before the fence it polls (which tells a build
+  that never ran from one still running);
 * ``staged`` (copy path): recorded on ``backend.stream`` at the end of each stage, after the
   copy; such a build first makes its stream wait for it (under capture: an event-wait node in
   the graph, so every replay waits for the copy of the stage before it). On the mapped path
@@ -24,8 +28,9 @@ Both are "external" events (``torch.cuda.Event(external=True)``: ``cudaEventReco
 and ``cudaEventWaitExternal`` under capture): an ordinary event wait across a capture's
 boundary is an error. A backend whose builds all run eagerly on ``backend.stream`` never turns
 the stage side on and pays one stream query per eager build; once a build runs elsewhere or
-is captured, every later stage pays one event wait (mapped) or one wait and one record
-(copy), inside its one native call (``zos._C.MappedRing.acquire`` / ``PinnedUpload.submit``).
+is captured, every later stage on the copy path pays one event wait and one record, inside its
+one native call (``zos._C.PinnedUpload.submit``); on the mapped path only a stage that waits for
+its slot does (``zos._C.MappedRing.acquire``).
 The runner still orders its own kernels: the model and the sampler after the build, the next
 build after the sampler that wrote ``buffers.sampled`` (docs/ZOS.md, "The runner contract").
 """
@@ -54,6 +59,7 @@ class BuildOrder:
         joined: whether the stage side is on (a build ran off ``stream`` or was captured).
         off_stream_builds: builds that ran off ``stream`` or under capture (ordered by the
             events).
+        capturing: whether the stream of the last such build was capturing.
     """
 
     def __init__(self, stream, join: Callable[[int, int], None], *, wait_for_stage: bool,
@@ -62,6 +68,7 @@ class BuildOrder:
         self.staged = cuda.Event(external=True)
         self.built = cuda.Event(external=True)
         self.joined = False
+        self.capturing = False
         self.off_stream_builds = 0
         self.stream = stream
         # Created and complete now: torch skips a wait on an event never recorded, also when
@@ -90,15 +97,22 @@ class BuildOrder:
             self._on_stream = lambda: self._cuda.current_stream(
                 self._device).stream_id == self._stream_id
 
+    def eager_on_stream(self) -> bool:
+        """Whether a build enqueued now runs eagerly on the backend's stream: the current
+        stream is that stream and is not capturing (stream order alone orders the build)."""
+        return self._on_stream() and not self._cuda.is_current_stream_capturing()
+
     def before_build(self):
         """Call right before a build's kernels are enqueued. Returns None when the build runs
-        eagerly on the backend's stream (stream order suffices); else the current stream,
-        made to wait for the stage where the build reads its device work (the copy path; the
-        first build off the stream: everything on it so far). Pass it to :meth:`after_build`."""
-        cuda = self._cuda
-        capturing = cuda.is_current_stream_capturing()
-        if not capturing and self._on_stream():
+        eagerly on the backend's stream (:meth:`eager_on_stream`: stream order suffices);
+        else the current stream, made to wait for the stage where the build reads its device
+        work (the copy path; the first build off the stream: everything on it so far), and
+        sets ``capturing`` (whether that stream is capturing). Pass it to
+        :meth:`after_build`."""
+        if self.eager_on_stream():
             return None
+        cuda = self._cuda
+        self.capturing = capturing = cuda.is_current_stream_capturing()
         current = cuda.current_stream(self._device)
         self.off_stream_builds += 1
         first = not self.joined
