@@ -190,19 +190,28 @@ int64_t pack_step(zos::StepPacker& self, const py::handle& step, const py::handl
   return pack_checked(self, check_step_object(step), out_obj, seq);
 }
 
-// One call per step on the mapped path: acquire the next ring slot, pack into it, commit it,
-// and with a graph_exec launch the step's prep graph on `stream` (its build). On a throw from
-// the packer the slot is not committed and nothing is launched.
+// A graph to launch needs its device (checked before anything is written or enqueued).
+void check_launch(uint64_t graph_exec, int64_t device) {
+  if (graph_exec && device < 0)
+    throw py::value_error("device must be >= 0 when graph_exec is given, got " +
+                          std::to_string(device));
+}
+
+// One call per step on the mapped path: acquire the next ring slot, pack into it, with a
+// graph_exec launch the step's prep graph on `stream` (its build), commit the slot. On a throw
+// from the packer or the launch the slot is not committed: the next stage takes it again, with
+// the same SEQ (the device never saw this one).
 int64_t stage_into_ring(zos::StepPacker& self, zos::MappedRing& ring, uint64_t stream,
                         int32_t seq, const py::handle& step, uint64_t graph_exec,
                         int64_t device) {
+  check_launch(graph_exec, device);
   const CheckedStep c = check_step_object(step);
   py::gil_scoped_release release;
   const int slot = ring.acquire(stream);
   int32_t* out = reinterpret_cast<int32_t*>(ring.host_ptr()) + slot * ring.slot_words();
   const int64_t words = self.pack(c.in, out, ring.slot_words(), seq);
-  ring.commit();
   if (graph_exec) zos::launch_graph(graph_exec, stream, device);
+  ring.commit();
   return words;
 }
 
@@ -211,6 +220,7 @@ int64_t stage_into_ring(zos::StepPacker& self, zos::MappedRing& ring, uint64_t s
 // after it on `stream`. On a throw from the packer nothing is enqueued.
 int64_t stage_upload(zos::StepPacker& self, zos::PinnedUpload& up, uint64_t stream,
                      int32_t seq, const py::handle& step, uint64_t graph_exec, int64_t device) {
+  check_launch(graph_exec, device);
   const CheckedStep c = check_step_object(step);
   py::gil_scoped_release release;
   const int k = up.acquire();
@@ -335,18 +345,21 @@ missing attribute when ``step`` is not a DecodeStep.)doc")
            R"doc(``pack_step`` into the next slot of a :class:`MappedRing`, in one call (no GIL).
 
 ``ring.acquire(stream)`` (wait until the build of the record in the next slot has finished),
-``pack`` into that slot with ``seq``, ``ring.commit()``; with ``graph_exec`` (a
-``cudaGraphExec_t`` of the prep graph, non-zero) also ``launch_graph(graph_exec, stream,
-device)``: stage and build in one call. Returns the record's words. Raises as ``pack`` (the
-slot is then neither written nor committed, nothing launched), as ``MappedRing.acquire`` and
-as ``launch_graph``.)doc")
+``pack`` into that slot with ``seq``, with ``graph_exec`` (a ``cudaGraphExec_t`` of the prep
+graph, non-zero) ``launch_graph(graph_exec, stream, device)`` (stage and build in one call),
+``ring.commit()``. Returns the record's words. Raises ValueError for a ``graph_exec`` without a
+``device`` >= 0 (before anything), as ``pack`` (the slot is then neither written nor
+committed, nothing launched), as ``MappedRing.acquire``, and as ``launch_graph`` (the slot is
+then written, with the packer's mirror, but not committed: reset the packer).)doc")
       .def("stage_upload", &stage_upload, py::arg("upload"), py::arg("stream"),
            py::arg("seq"), py::arg("step"), py::arg("graph_exec") = 0, py::arg("device") = -1,
            R"doc(``pack_step`` into the next pinned buffer of a :class:`PinnedUpload` and enqueue
 its H2D copy on ``stream``, in one call (no GIL): ``upload.acquire()`` (wait for that
 buffer's previous copy), ``pack`` with ``seq``, ``upload.submit``; with ``graph_exec``
 (non-zero) also ``launch_graph(graph_exec, stream, device)`` after the copy. Returns the
-record's words. Raises as ``pack`` (nothing is then enqueued) and as ``launch_graph``.)doc")
+record's words. Raises ValueError for a ``graph_exec`` without a ``device`` >= 0 (before
+anything), as ``pack`` (nothing is then enqueued) and as ``launch_graph`` (the copy is then
+enqueued, the packer's mirror updated: reset the packer).)doc")
       .def("apply_accepted", &apply_accepted, py::arg("accepted"), py::arg("steps_ago"),
            R"doc(Exact accepted counts of an earlier step (speculative decoding, q > 1).
 
@@ -442,6 +455,11 @@ Raises:
         driver reports an error.)doc")
       .def("commit", &zos::MappedRing::commit,
            "The acquired slot holds a staged record: the next acquire takes the following slot.")
+      .def("fence_repeat", &zos::MappedRing::fence_repeat,
+           "A build that applies the record applied last again (no stage since the previous "
+           "build) was enqueued: the done word cannot tell it from the first, so the next "
+           "``acquire`` (or ``synchronize``) first waits for a fence recorded on its stream "
+           "after ``built``, i.e. for every build enqueued so far.")
       .def("set_build_events", &zos::MappedRing::set_build_events, py::arg("built"),
            py::arg("staged"),
            "Build ordering (docs/ZOS.md, \"The runner contract\"): from now on the fence of a "

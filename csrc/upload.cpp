@@ -207,10 +207,6 @@ void PinnedUpload::set_build_events(uint64_t built, uint64_t staged) {
   staged_ = reinterpret_cast<void*>(staged);
 }
 
-// The done word gets a cache line of its own after the slots (the GPU writes it, the host
-// reads it; no slot's words share its line).
-constexpr int64_t kDoneWords = 16;
-
 MappedRing::MappedRing(int64_t num_slots, int64_t slot_words, int64_t device)
     : num_slots_(num_slots), slot_words_(slot_words) {
   if (num_slots < 1 || slot_words < 1)
@@ -221,7 +217,7 @@ MappedRing::MappedRing(int64_t num_slots, int64_t slot_words, int64_t device)
   void* p = nullptr;
   try {
     ContextScope scope(ctx_);
-    const int64_t words = num_slots * slot_words + kDoneWords;
+    const int64_t words = done_offset() + kDoneWords;
     check(d.mem_host_alloc(&p, static_cast<size_t>(words) * sizeof(int32_t),
                            kMemHostAllocPortable | kMemHostAllocDeviceMap),
           "cuMemHostAlloc");
@@ -286,8 +282,18 @@ void MappedRing::wait_applied(int32_t seq, int32_t newest, uint64_t stream) {
   }
 }
 
+void MappedRing::drain(uint64_t stream) {
+  ContextScope scope(ctx_);
+  void* s = reinterpret_cast<void*>(stream);
+  wait_for_build(built_, s);
+  check(driver().event_record(fence_, s), "cuEventRecord");
+  check(driver().event_synchronize(fence_), "cuEventSynchronize");
+  fence_repeat_ = false;
+}
+
 int MappedRing::acquire(uint64_t stream) {
   last_stream_ = stream;
+  if (fence_repeat_) drain(stream);  // a repeated build may still read any slot it applied
   if (commits_ >= num_slots_) {  // slot next_ holds a record: wait for its build to finish
     const int32_t seq = seq_of(next_);
     const int32_t newest = seq_of((next_ + num_slots_ - 1) % num_slots_);
@@ -309,6 +315,7 @@ void MappedRing::commit() {
 }
 
 void MappedRing::synchronize() {
+  if (fence_repeat_) drain(last_stream_);
   if (commits_ == 0) return;
   const int32_t newest = seq_of((next_ + num_slots_ - 1) % num_slots_);
   if (!applied(newest, newest)) wait_applied(newest, newest, last_stream_);

@@ -79,8 +79,13 @@ class MappedRing {
   int acquire(uint64_t stream);
   // The acquired slot holds a staged record now: the next acquire takes the following slot.
   void commit();
-  // Waits until the build of the record committed last has finished (before the memory
-  // is freed); the same errors as acquire.
+  // A build was enqueued that applies the record applied last again (no stage since the
+  // previous build, e.g. a warm-up): the done word cannot tell it from the first, so the next
+  // acquire (or synchronize) first waits for a fence recorded on its stream after `built`,
+  // i.e. for every build enqueued so far.
+  void fence_repeat() { fence_repeat_ = true; }
+  // Waits until the build of the record committed last (and a repeated build) has finished
+  // (before the memory is freed); the same errors as acquire.
   void synchronize();
   // Build ordering (docs/ZOS.md, "The runner contract"): when a wait falls back to its
   // fence, the stage's stream first waits for `built` (a CUevent recorded after each build
@@ -92,14 +97,20 @@ class MappedRing {
   uint64_t device_ptr() const { return device_; }
   // The done word's host and device addresses (an int32 after the last slot).
   uint64_t done_host_ptr() const { return reinterpret_cast<uint64_t>(done_word()); }
-  uint64_t done_device_ptr() const { return device_ + 4 * num_slots_ * slot_words_; }
+  uint64_t done_device_ptr() const { return device_ + 4 * done_offset(); }
   int32_t done_seq() const { return __atomic_load_n(done_word(), __ATOMIC_ACQUIRE); }
   int64_t num_slots() const { return num_slots_; }
   int64_t slot_words() const { return slot_words_; }
   int64_t waits() const { return waits_; }  // acquires that found their slot still in use
 
  private:
-  int32_t* done_word() const { return host_ + num_slots_ * slot_words_; }
+  // The done word gets a 64-byte line of its own (the GPU writes it, the host reads it; no
+  // slot's words share it): at the slots' end rounded up to kDoneWords words.
+  static constexpr int64_t kDoneWords = 16;
+  int64_t done_offset() const {
+    return (num_slots_ * slot_words_ + kDoneWords - 1) / kDoneWords * kDoneWords;
+  }
+  int32_t* done_word() const { return host_ + done_offset(); }
   int32_t seq_of(int64_t slot) const;
   // Whether the build of the record with SEQ `seq` has finished, given that `newest` is the
   // SEQ of the record committed last (records are applied in SEQ order).
@@ -109,6 +120,8 @@ class MappedRing {
   // completes and the done word has not reached seq (the record was staged but its build
   // was never enqueued: rule 2 of the runner contract), or when the driver reports an error.
   void wait_applied(int32_t seq, int32_t newest, uint64_t stream);
+  // Waits for a fence recorded now on `stream` after `built` (fence_repeat).
+  void drain(uint64_t stream);
 
   int64_t num_slots_, slot_words_;
   void* ctx_ = nullptr;
@@ -118,6 +131,7 @@ class MappedRing {
   void* fence_ = nullptr;
   int next_ = 0;
   int64_t commits_ = 0;
+  bool fence_repeat_ = false;
   uint64_t last_stream_ = 0;
   int64_t waits_ = 0;
   void* built_ = nullptr;

@@ -237,10 +237,15 @@ class HeldFences(DoneWordFences):
     def __init__(self, ring, stream):
         super().__init__(ring.slots, ring.done_view.numpy())
         self.stream = stream
-        self.acquires = 0
+        self.acquires = self.drains = 0
 
     def wait(self, seq, newest):
         while not self.applied(seq, newest):
+            self.stream.run_one()
+
+    def drain(self):  # a fence after everything enqueued so far
+        self.drains += 1
+        while self.stream.queue:
             self.stream.run_one()
 
     def acquire(self, stream=0):
@@ -286,6 +291,29 @@ def test_ring_steps_in_flight(monkeypatch, num_slots):
     state = dev._prep.state.tolist()
     assert state[kernels.RING_STATE["CTR"]] == steps % num_slots
     assert state[kernels.RING_STATE["LAST"]] == steps
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="simulates the stream on the CPU")
+@pytest.mark.parametrize("num_slots", [1, 2])
+def test_repeated_build_is_waited_for_before_a_slot_is_rewritten(monkeypatch, num_slots):
+    """A build with no stage since the previous one applies the same record again and writes
+    a SEQ the done word already holds: the next stage waits for it (by a fence after every
+    build enqueued so far) before it rewrites a slot; with K = 1 that is the slot the repeat
+    reads. The step after it gets its own record."""
+    stream = HeldStream.holding_builds(monkeypatch)
+    dev = make("mapped", ring_slots=num_slots)
+    fences = dev.ring.fences = HeldFences(dev.ring, stream)
+    plan = dev.stage(DecodeStep.build([5], {0: (11, 1, [7])}))
+    dev.build(plan.padded_size)
+    stream.run_one()  # record 1 built: the done word holds 1
+    dev.build(plan.padded_size)  # the repeat, held in the stream
+    assert dev.ring.done_seq == 1 and len(stream.queue) == 1 and fences.drains == 0
+    plan = dev.stage(DecodeStep.build([5]))
+    assert not stream.queue and stream.builds_done == 2 and fences.drains == 1
+    dev.build(plan.padded_size)
+    stream.run_one()
+    assert dev.buffers.positions[:1].tolist() == [2] and dev.ring.done_seq == 2
+    assert dev.buffers.input_ids[:1].tolist() == [int(dev.buffers.sampled[0])]
 
 
 def test_ring_build_without_new_record_and_empty_step():
@@ -369,6 +397,23 @@ def test_native_ring_stage_into_ring():
     assert ring.done_seq >= 1
     ring.synchronize()
     assert ring.done_seq == 3
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the native ring maps memory through CUDA")
+def test_stage_into_ring_with_a_graph_needs_its_device():
+    """A graph to launch without a device is refused before anything: no slot is written or
+    committed, the packer's mirror is unchanged (the same step packs afterwards)."""
+    from zos._C import MappedRing
+
+    ring, p = MappedRing(2, 256, torch.cuda.current_device()), packer()
+    stream = torch.cuda.current_stream().cuda_stream
+    step = DecodeStep.build([5, 6], {0: (1, 3, [7]), 1: (2, 0, [8])})
+    before = ring.array().copy()
+    with pytest.raises(ValueError, match="device must be >= 0 when graph_exec is given"):
+        p.stage_into_ring(ring, stream, 1, step, graph_exec=1, device=-1)
+    assert (ring.array() == before).all() and p.prev_num_reqs == 0
+    assert p.stage_into_ring(ring, stream, 1, step) > 0
+    assert ring.array()[0, staging.SEQ] == 1 and ring.array()[1, staging.SEQ] == 0
 
 
 @pytest.mark.parametrize("num_slots", [1, 3])
@@ -459,7 +504,9 @@ def test_ring_full_record_at_512_rows_with_builds_in_flight(monkeypatch):
 def test_native_ring_on_a_fresh_thread():
     """A ring built and used on a thread that has not touched CUDA (transformers' continuous
     batching runs its loop on a background thread) takes its device's primary context
-    itself: slots are written and fenced there (three steps over two slots)."""
+    itself: slots are written there, a repeated build's fence is recorded and waited for there,
+    and a stage whose slot holds a record never built polls its fence there and is refused
+    (records 1 and 2 staged, only 1 "built" by the host writing the done word)."""
     import threading
 
     out = {}
@@ -467,16 +514,23 @@ def test_native_ring_on_a_fresh_thread():
     def run():
         try:
             ring = StagingRing(2, 64, torch.device("cuda", torch.cuda.current_device()))
-            for n in range(3):
-                ring.acquire(torch.cuda.current_stream().cuda_stream)[0] = n
+            stream = torch.cuda.current_stream().cuda_stream
+            for n in range(2):
+                ring.fences.fence_repeat()  # the next acquire records and waits for a fence
+                ring.acquire(stream)[staging.SEQ] = n + 1
                 ring.commit()
-            ring.synchronize()
-            out["slots"] = ring.slots[:, 0].tolist()
-        except Exception as e:  # re-raised on the test's thread
+            ring.fences.done_array()[0] = 1  # record 1's build finished: slot 0 is free
+            ring.acquire(stream)[staging.SEQ] = 3
+            ring.commit()
+            with pytest.raises(RuntimeError, match="staged but no build read it"):
+                ring.acquire(stream)  # slot 1 holds record 2, which no build read
+            out["seqs"] = ring.slots[:, staging.SEQ].tolist()
+            out["waits"] = ring.waits
+        except BaseException as e:  # re-raised on the test's thread
             out["error"] = e
 
     t = threading.Thread(target=run)
     t.start()
     t.join()
     assert "error" not in out, out.get("error")
-    assert out["slots"] == [2, 1]
+    assert out["seqs"] == [3, 2] and out["waits"] == 1

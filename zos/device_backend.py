@@ -119,6 +119,7 @@ class DeviceMetadataBackend(MetadataBackend):
         words = buffers.staging.numel()
         self._discard = np.zeros(words, np.int32)  # records no build reads (padded size 0)
         self._seq = 0  # SEQ of the last record staged for a build
+        self._built = 0  # SEQ staged when the last build was enqueued (== _seq: a repeat)
         self._prep = PrepState(buffers)
         self._upload = self._ring = self._native_ring = None
         if staging == "mapped":
@@ -241,7 +242,9 @@ class DeviceMetadataBackend(MetadataBackend):
         if graph_exec and not self._order.eager_on_stream():
             graph_exec = 0
         plan = self._stage(step, 0, graph_exec)
-        if not graph_exec:
+        if graph_exec:
+            self._built = self._seq
+        else:
             self.build(plan.padded_size)
         return self.metadata(plan)
 
@@ -277,7 +280,12 @@ class DeviceMetadataBackend(MetadataBackend):
             self.buffers.counts.zero_()
         else:
             graph_exec = self._graph_execs.get(padded_size)
-            if padded_size not in self._graphs or (joined is not None and order.capturing):
+            capturing = joined is not None and order.capturing
+            if not capturing:  # a device build now (a capture runs nothing)
+                if self._built == self._seq and self._ring is not None:
+                    self._ring.fences.fence_repeat()  # the done word cannot see a repeat end
+                self._built = self._seq
+            if padded_size not in self._graphs or capturing:
                 # No graph of this size, or captured into the caller's graph: the kernels
                 # themselves (a graph launch cannot be captured on a stream).
                 launch_prep(self.buffers, padded_size, **self._prep_args)

@@ -27,6 +27,12 @@ tensor, which the interpreted kernels read and write directly, and :class:`DoneW
 runs the native ring's acquire/commit logic on them; there every build has run by the time
 the host stages again, so its ``wait`` (which tests replace to hold steps in flight) finds a
 record that was never built.
+
+A build that applies the record applied last again (no stage since the previous build, as a
+warm-up does) writes a SEQ the done word already holds, so the word cannot tell when it ends:
+the backend announces it (``fence_repeat``) and the next ``acquire`` first waits for every
+build enqueued so far, by a fence. A graph the runner replays twice after one stage is not seen
+by zos: the runner contract allows one build per stage (docs/ZOS.md, rule 1).
 """
 from __future__ import annotations
 
@@ -40,8 +46,8 @@ import triton.language as tl
 from zos import staging
 from zos._checks import check_int
 
-# Words the ring holds after its slots (the done word, then the rest of its cache line):
-# csrc/upload.cpp's kDoneWords.
+# Words the CPU ring holds after its slots (the done word, then the rest of a 64-byte line, as
+# csrc/upload.cpp's kDoneWords).
 DONE_WORDS = 16
 
 
@@ -126,6 +132,7 @@ class DoneWordFences:
         self.waits = 0
         self._next = 0
         self._commits = 0
+        self._repeat = False
 
     @property
     def done_seq(self) -> int:
@@ -137,7 +144,11 @@ class DoneWordFences:
         return applied(self.done_seq, seq, newest)
 
     def acquire(self, stream: int = 0) -> int:
-        """The next slot, once the build of the record it holds (if any) has finished."""
+        """The next slot, once the build of the record it holds (if any) has finished, and a
+        repeated build (:meth:`fence_repeat`) too."""
+        if self._repeat:
+            self._repeat = False
+            self.drain()
         k = self._next
         if self._commits >= self.num_slots:
             seq, newest = int(self.slots[k, staging.SEQ]), int(self.slots[k - 1, staging.SEQ])
@@ -158,6 +169,15 @@ class DoneWordFences:
             f"is at SEQ {self.done_seq}): every stage must be followed by its build before the "
             f"next stage (docs/ZOS.md, \"The runner contract\", rule 2)")
 
+    def fence_repeat(self) -> None:
+        """A build that applies the record applied last again was enqueued: the next acquire
+        (or synchronize) first waits for every build enqueued so far (:meth:`drain`)."""
+        self._repeat = True
+
+    def drain(self) -> None:
+        """Wait for every build enqueued so far (nothing to wait for on a CPU; tests replace
+        it to run a held stream)."""
+
     def commit(self) -> None:
         """The acquired slot holds a staged record: the next acquire takes the following
         slot."""
@@ -165,7 +185,11 @@ class DoneWordFences:
         self._next = (self._next + 1) % self.num_slots
 
     def synchronize(self) -> None:
-        """Wait until the build of the record committed last has finished."""
+        """Wait until the build of the record committed last (and a repeated build) has
+        finished."""
+        if self._repeat:
+            self._repeat = False
+            self.drain()
         if self._commits:
             newest = int(self.slots[self._next - 1, staging.SEQ])
             if not self.applied(newest, newest):

@@ -4,9 +4,9 @@ asynchronous (:class:`ZosAsyncIOs`) batching, with or without transformers' CUDA
 Both subclass transformers' own IO class and change four of its methods, for decode-only
 batches only (:class:`~zos.integrations.hf_rows.ZosDecodeRows` says which):
 
-* ``prepare_batch_tensors``: zos stages the step (its record into zos's staging ring, fenced on
-  the compute stream) and does transformers' per-request bookkeeping (positions, placeholder
-  tokens, output positions);
+* ``prepare_batch_tensors``: zos stages the step (its record into zos's staging ring, whose
+  slots the prep kernels release through its done word) and does transformers' per-request
+  bookkeeping (positions, placeholder tokens, output positions);
 * ``get_model_kwargs``: the model reads zos's buffers (``"paged|zos"`` attention);
 * ``carry_over_tokens``: transformers calls it first inside the function it runs or captures
   (``ModelRunner._forward_process_and_sample``): zos's device work goes there, so with
@@ -149,8 +149,8 @@ def _build():
 
     class ZosAsyncIOs(ContinuousBatchingAsyncIOs):
         """transformers' asynchronous IOs (two host/device IO pairs, H2D, compute and D2H
-        streams) with zos's decode steps. zos keeps one set of buffers for both pairs: every zos
-        fence and prep runs on the compute stream, in step order. A zos step transfers no
+        streams) with zos's decode steps. zos keeps one set of buffers for both pairs: zos's prep
+        runs on the compute stream, in step order. A zos step transfers no
         transformers input tensor: its record is read in place from zos's mapped staging ring,
         and only the logits processors' per-request arguments (when a processor needs them) and
         the rows of tokens still in flight are copied. Same arguments as the base, plus

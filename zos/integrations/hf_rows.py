@@ -8,8 +8,9 @@ state of the last zos step, and the three calls of a zos decode step inside tran
   :class:`~zos.step.DecodeStep` of a decode-only batch from what changed since the last zos
   step, or None when the batch is not one zos serves (then transformers' own path runs);
 * :meth:`ZosDecodeRows.stage` (host): the packer validates and packs it into zos's staging
-  ring (mapped host memory the prep kernels read in place; fenced on the compute stream), nothing
-  written if the step is refused;
+  ring (mapped host memory the prep kernels read in place; a slot is rewritten once the done
+  word the prep kernels write shows its build finished), nothing written if the step is
+  refused;
 * :meth:`ZosDecodeRows.in_graph` (device, inside the step's CUDA graph when transformers
   captures one): the previous step's sampled tokens into ``buffers.sampled``, the prep
   kernels, and the tokens still in flight for rows new to zos (asynchronous batching).
@@ -59,8 +60,8 @@ class ZosDecodeRows:
         config: the model's text config (``vocab_size``, ``max_position_embeddings``).
         max_requests: rows held (transformers' ``max_requests_per_batch``).
         device: the model's device.
-        stream: the compute stream (None on a CPU): the staging ring's fences are recorded on
-            it (the backend's ``stream``).
+        stream: the compute stream (None on a CPU): the backend's ``stream``, where a stage
+            that waits for its ring slot places its fence.
         options: the model's ``ZosOptions``.
         graphed: whether transformers captures decode steps in CUDA graphs: zos's prep kernels
             then run inside those graphs (``capture_prep`` off); otherwise, on CUDA with a

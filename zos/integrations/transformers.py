@@ -22,13 +22,13 @@ rules, and leaves transformers' prefill graphs as they are.
 
 Per step:
 
-* decode-only (every request has one query token and samples; its position fits the block
-  table; N <= max_requests_per_batch): zos. :class:`~zos.integrations.hf_rows.ZosDecodeRows`
-  builds a :class:`~zos.step.DecodeStep` from what changed (a request that was in the previous
-  zos step at the previous position is carried: two record words, plus a block id when it
-  crosses a block; any other request is a new row with its token, position and block list),
-  the packer validates it and writes its record into zos's staging ring (mapped host memory,
-  fenced on the compute stream; no copy call). Inside the
+* decode-only (every request has one query token and samples; its position fits the block table;
+  N <= max_requests_per_batch): zos. :class:`~zos.integrations.hf_rows.ZosDecodeRows` builds a
+  :class:`~zos.step.DecodeStep` from what changed (a request that was in the previous zos step
+  at the previous position is carried: two record words, plus a block id when it crosses a
+  block; any other request is a new row with its token, position and block list), the packer
+  validates it and writes its record into zos's staging ring (mapped host memory, a slot
+  rewritten once the prep kernels' done word shows its build finished; no copy call). Inside the
   step's graph (bucket ``("zos", padded size)`` in transformers' store, captured on first use):
   the previous batch's sampled tokens into ``buffers.sampled``, zos's prep kernels, the rows
   whose token is still in flight (asynchronous batching) from the previous output, the model
