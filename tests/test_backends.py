@@ -670,6 +670,18 @@ def test_long_rows_at_1024_match_host_built(staging, capture):
         _same_fields_then_sample(i, want, got, rng, step.num_reqs, host, dev)
 
 
+def _prep_graph_backends(staging, *, seed, rows):
+    """A workload of 40 to ``rows`` rows with moves (block size 16, 64 block columns), a CUDA
+    backend with a prep graph for ``rows`` (``staging``) and the host-built backend on the
+    CPU over the same pool."""
+    bs, w = 16, 64
+    kw = dict(num_kv_blocks=1 << 20, vocab_size=VOCAB, buckets=BucketTable([rows]))
+    dev = DeviceMetadataBackend(DecodeBuffers(rows, w, bs, device="cuda"), capture_prep=True,
+                                staging=staging, **kw)
+    host = HostMetadataBackend(DecodeBuffers(rows, w, bs, device="cpu"), **kw)
+    return _MovingWorkload(seed, 40, rows, bs, w), dev, host
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="stream capture needs a GPU")
 @pytest.mark.parametrize("staging", ["mapped", "copy"])
 def test_build_of_a_backend_with_prep_graphs_is_capturable(staging):
@@ -677,12 +689,8 @@ def test_build_of_a_backend_with_prep_graphs_is_capturable(staging):
     called inside a caller's capture (a graph launch cannot be captured on a stream): the
     caller's graph holds the prep kernels, and replaying it after each stage rebuilds every
     field as the host-built backend does, with moves, arrivals and appended blocks."""
-    steps, bs, w, r = 12, 16, 64, 64
-    wl = _MovingWorkload(11, 40, r, bs, w)
-    kw = dict(num_kv_blocks=1 << 20, vocab_size=VOCAB, buckets=BucketTable([r]))
-    dev = DeviceMetadataBackend(DecodeBuffers(r, w, bs, device="cuda"), capture_prep=True,
-                                staging=staging, **kw)
-    host = HostMetadataBackend(DecodeBuffers(r, w, bs, device="cpu"), **kw)
+    steps, r = 12, 64
+    wl, dev, host = _prep_graph_backends(staging, seed=11, rows=r)
     graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
     rng = np.random.default_rng(2)
     for i in range(steps):
@@ -707,12 +715,8 @@ def test_prepare_launches_the_prep_graph_from_the_stage_call(staging, monkeypatc
     launches the graph (``build`` is not called); on another stream it stages and builds
     apart (the build ordered by events). Every field equals the host-built backend's after
     every step."""
-    steps, bs, w, r = 12, 16, 64, 64
-    wl = _MovingWorkload(5, 40, r, bs, w)
-    kw = dict(num_kv_blocks=1 << 20, vocab_size=VOCAB, buckets=BucketTable([r]))
-    dev = DeviceMetadataBackend(DecodeBuffers(r, w, bs, device="cuda"), capture_prep=True,
-                                staging=staging, **kw)
-    host = HostMetadataBackend(DecodeBuffers(r, w, bs, device="cpu"), **kw)
+    steps, r = 12, 64
+    wl, dev, host = _prep_graph_backends(staging, seed=5, rows=r)
     builds, build = [], dev.build
     monkeypatch.setattr(dev, "build", lambda size: (builds.append(size), build(size)))
     side, rng = torch.cuda.Stream(), np.random.default_rng(3)
