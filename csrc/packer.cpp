@@ -6,6 +6,10 @@
 #include <stdexcept>
 #include <string>
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 #include "staging.h"
 
 namespace zos {
@@ -18,6 +22,18 @@ void check_row(const char* field, int64_t k, int64_t row, int64_t n) {
   if (row < 0 || row >= n)
     fail(std::string(field) + "[" + std::to_string(k) + "] = " + std::to_string(row) +
          " is outside [0, " + std::to_string(n) + ")");
+}
+
+uint64_t differ_mask_scalar(const int64_t* c, const int64_t* p, int64_t len) {
+  uint64_t m = 0;
+  for (int64_t b = 0; b < len; ++b) m |= uint64_t{c[b] != p[b]} << b;
+  return m;
+}
+
+uint64_t due_mask_scalar(const uint32_t* dl, int64_t len, uint32_t now) {
+  uint64_t m = 0;
+  for (int64_t b = 0; b < len; ++b) m |= uint64_t{dl[b] == now} << b;
+  return m;
 }
 
 // Index of the first of ids[0, count) outside [lo, hi), or -1: one branch-free pass (an
@@ -35,6 +51,44 @@ int64_t first_outside(const int32_t* __restrict ids, int64_t count, int64_t lo, 
   int64_t e = 0;
   while (static_cast<uint32_t>(ids[e]) - base < span) ++e;
   return e;
+}
+
+// Masks of 64 rows without a branch per row: bit b set where c[b] != p[b] (request ids), or
+// where dl[b] == now (deadlines); len <= 64. An AVX2 version where the CPU has it (GCC/Clang
+// function multiversioning picks it at load time), plain loops elsewhere.
+#if defined(__x86_64__) && defined(__linux__) && defined(__GLIBC__)
+__attribute__((target("avx2"))) uint64_t differ_mask(const int64_t* c, const int64_t* p,
+                                                     int64_t len) {
+  if (len < 64) return differ_mask_scalar(c, p, len);
+  uint64_t same = 0;
+  for (int b = 0; b < 64; b += 4) {
+    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + b));
+    const __m256i y = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + b));
+    const int m = _mm256_movemask_pd(_mm256_castsi256_pd(_mm256_cmpeq_epi64(x, y)));
+    same |= static_cast<uint64_t>(m) << b;
+  }
+  return ~same;
+}
+__attribute__((target("avx2"))) uint64_t due_mask(const uint32_t* dl, int64_t len, uint32_t now) {
+  if (len < 64) return due_mask_scalar(dl, len, now);
+  const __m256i v = _mm256_set1_epi32(static_cast<int>(now));
+  uint64_t due = 0;
+  for (int b = 0; b < 64; b += 8) {
+    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(dl + b));
+    const int m = _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(x, v)));
+    due |= static_cast<uint64_t>(static_cast<uint32_t>(m)) << b;
+  }
+  return due;
+}
+#define ZOS_DEFAULT __attribute__((target("default")))
+#else
+#define ZOS_DEFAULT
+#endif
+ZOS_DEFAULT uint64_t differ_mask(const int64_t* c, const int64_t* p, int64_t len) {
+  return differ_mask_scalar(c, p, len);
+}
+ZOS_DEFAULT uint64_t due_mask(const uint32_t* dl, int64_t len, uint32_t now) {
+  return due_mask_scalar(dl, len, now);
 }
 
 std::string row_str(int64_t row, int64_t id) {
@@ -67,13 +121,7 @@ StepPacker::StepPacker(const PackerConfig& cfg) : cfg_(cfg), index_(cfg.max_num_
   t_key_.assign(r, 0);
   t_nb_.assign(r, 0);
   t_assumed_.assign(r, 0);
-  // Deadlines lie at most max_num_blocks_per_req * block_size packs ahead; buckets
-  // beyond 4096 would only save the rare visit of a row whose deadline is a lap ahead.
-  const int64_t horizon = cfg.max_num_blocks_per_req * cfg.block_size + 1;
-  int64_t buckets = 16;
-  while (buckets < horizon && buckets < 4096) buckets <<= 1;
-  dl_head_.assign(static_cast<size_t>(buckets), -1);
-  dl_mask_ = buckets - 1;
+  deadline_.assign(r, 0);
   for (auto* v : {&moved_, &app_rows_, &app_cursor_, &touched_, &listed_}) v->reserve(r);
   touch_bits_.assign((r + 63) / 64, 0);
 }
@@ -82,28 +130,6 @@ void StepPacker::reset() {
   prev_n_ = 0;
   prev_prev_n_ = 0;
   index_.clear();
-  std::fill(dl_head_.begin(), dl_head_.end(), -1);
-  for (RowState& row : rows_) row.dl_prev = kUnlinked;
-}
-
-// Links `row` into the list of its deadline (from its nb and key: set them first).
-void StepPacker::link(int32_t row) {
-  RowState& r = rows_[row];
-  int32_t& head = dl_head_[deadline(r) & dl_mask_];
-  r.dl_prev = -1;
-  r.dl_next = head;
-  if (head >= 0) rows_[head].dl_prev = row;
-  head = row;
-}
-
-// Unlinks `row` from the list of its deadline (before its nb or key change).
-void StepPacker::unlink(int32_t row) {
-  RowState& r = rows_[row];
-  if (r.dl_prev == kUnlinked) return;
-  if (r.dl_prev >= 0) rows_[r.dl_prev].dl_next = r.dl_next;
-  else dl_head_[deadline(r) & dl_mask_] = r.dl_next;
-  if (r.dl_next >= 0) rows_[r.dl_next].dl_prev = r.dl_prev;
-  r.dl_prev = kUnlinked;
 }
 
 // With q > 1 a carried row advances by its accepted count, which reaches the host
@@ -151,23 +177,15 @@ void StepPacker::find_changed(const StepInput& in) {
   const int64_t n = in.n, common = std::min(n, prev_n_);
   const int64_t* curr = in.req_ids;
   const int64_t* prev = ids_.data();
-  // Blocks of 8 ids (one cache line): a block without a change costs one OR of XORs; in one
-  // with a change each row is appended without a branch (a changed row lies anywhere, so a
-  // branch on it would mispredict).
-  constexpr int64_t kBlock = 8;
+  // 64 rows at a time: a mask of the rows whose id changed, then one iteration per changed
+  // row (a changed row lies anywhere, so a branch per row would mispredict).
   moved_.resize(static_cast<size_t>(n));
   int32_t* moved = moved_.data();
   int64_t count = 0;
-  for (int64_t i0 = 0; i0 < common; i0 += kBlock) {
-    const int64_t end = std::min(i0 + kBlock, common);
-    uint64_t diff = 0;
-    for (int64_t i = i0; i < end; ++i) diff |= static_cast<uint64_t>(curr[i] ^ prev[i]);
-    if (diff == 0) continue;
-    for (int64_t i = i0; i < end; ++i) {
-      moved[count] = static_cast<int32_t>(i);
-      count += curr[i] != prev[i];
-    }
-  }
+  for (int64_t i0 = 0; i0 < common; i0 += 64)
+    for (uint64_t m = differ_mask(curr + i0, prev + i0, std::min<int64_t>(64, common - i0)); m;
+         m &= m - 1)
+      moved[count++] = static_cast<int32_t>(i0 + __builtin_ctzll(m));
   for (int64_t i = common; i < n; ++i) moved[count++] = static_cast<int32_t>(i);
   moved_.resize(static_cast<size_t>(count));
   for (int32_t i : moved_) {  // found above: their lookups (and the erases in commit) follow
@@ -324,7 +342,8 @@ void StepPacker::collect_touched(const StepInput& in) {
     return;
   }
   // Rows are marked in a bitmap and read back in row order: no sort, one word per 64 rows
-  // up to the highest row touched (16 words at N = 1,024), the words cleared as they are read.
+  // up to the highest row touched (16 words at N = 1,024); check_deadlines reads it too.
+  std::fill_n(touch_bits_.begin(), (touch_hi_ >> 6) + 1, 0);  // the last pack's, if it failed
   int32_t hi = -1;
   auto touch = [&](int32_t row) {
     if (has(row, kTouched)) return;
@@ -336,10 +355,9 @@ void StepPacker::collect_touched(const StepInput& in) {
   for (int64_t k = 0; k < in.m; ++k) touch(in.new_rows[k]);
   for (int32_t i : app_rows_) touch(i);
   for (int64_t k = 0; k < in.x; ++k) touch(in.rewrite_rows[k]);
+  touch_hi_ = hi;
   for (int64_t w = 0; w <= (hi >> 6); ++w) {
-    uint64_t bits = touch_bits_[static_cast<size_t>(w)];
-    touch_bits_[static_cast<size_t>(w)] = 0;
-    for (; bits; bits &= bits - 1)
+    for (uint64_t bits = touch_bits_[static_cast<size_t>(w)]; bits; bits &= bits - 1)
       touched_.push_back(static_cast<int32_t>(w * 64 + __builtin_ctzll(bits)));
   }
 }
@@ -396,27 +414,37 @@ void StepPacker::compute_touched(const StepInput& in) {
   }
 }
 
-// q = 1: rows that keep their request and get no block are not visited above;
-// those whose blocks run out at this pack are in this pack's deadline bucket.
-// Returns the rows visited.
+// q = 1: rows that keep their request and get no block are not visited above; those whose
+// blocks run out at this pack are found by a vector compare of deadline_ and must have been
+// touched. Returns the rows whose deadline is now.
 int64_t StepPacker::check_deadlines(const StepInput& in) {
   if (cfg_.q > 1) return 0;
-  const int64_t s = step_ + 1;
+  const int64_t s = step_ + 1, common = std::min(in.n, prev_n_);
+  // A carried row's deadline lies in [s, s + max_num_blocks_per_req * block_size]: a
+  // compare modulo 2^32 is exact.
+  const auto now = static_cast<uint32_t>(s);
+  const uint32_t* dl = deadline_.data();
   int64_t visited = 0;
-  for (int32_t row = dl_head_[s & dl_mask_]; row >= 0; row = rows_[row].dl_next) {
-    ++visited;
-    const RowState& r = rows_[row];
-    if (deadline(r) != s || row >= in.n || has(row, kTouched)) continue;
-    fail_blocks(in, row, r.key + s, r.nb);  // kept its request, got no block
+  // Per 64 rows (one word of touch_bits_): a mask of the rows whose deadline is now, built
+  // without a branch; any of them not touched this pack got no block.
+  for (int64_t i0 = 0; i0 < common; i0 += 64) {
+    const uint64_t due = due_mask(dl + i0, std::min<int64_t>(64, common - i0), now);
+    visited += __builtin_popcountll(due);
+    const uint64_t missed = due & ~touch_bits_[static_cast<size_t>(i0) >> 6];
+    if (missed) {
+      const int64_t row = i0 + __builtin_ctzll(missed);
+      fail_blocks(in, row, rows_[row].key + s, rows_[row].nb);  // kept its request, got no block
+    }
   }
   return visited;
 }
 
-void StepPacker::write_record(const StepInput& in, int32_t* out, int32_t seq) {
+void StepPacker::write_record(const StepInput& in, int32_t* out, int32_t seq,
+                              const std::vector<int32_t>& listed) {
   namespace st = staging;
   const int64_t n = in.n, m_app = in.m + static_cast<int64_t>(app_rows_.size());
   const int64_t m_total = m_app + in.x;
-  const int64_t c = static_cast<int64_t>(listed_.size()) + (list_every_row ? n : 0);
+  const int64_t c = list_every_row ? n : static_cast<int64_t>(listed.size());
   int32_t* list = out + st::kHeaderWords;
   int32_t* records = list + st::kListWords * c;
   int32_t* blocks = records + st::kRecordWords * m_total;
@@ -483,8 +511,8 @@ void StepPacker::write_record(const StepInput& in, int32_t* out, int32_t seq) {
       entry(i, row, has(row, kTouched) ? rows_[row].src : row, rec_of(row));
     }
   } else {
-    for (size_t k = 0; k < listed_.size(); ++k)
-      entry(k, listed_[k], rows_[listed_[k]].src, rec_of(listed_[k]));
+    for (size_t k = 0; k < listed.size(); ++k)
+      entry(k, listed[k], rows_[listed[k]].src, rec_of(listed[k]));
   }
 }
 
@@ -492,17 +520,14 @@ void StepPacker::write_record(const StepInput& in, int32_t* out, int32_t seq) {
 void StepPacker::commit(const StepInput& in) {
   const int64_t n = in.n, p = prev_n_, q = cfg_.q;
   const int64_t s = step_ + 1;
-  if (q == 1)
-    for (int64_t j = n; j < p; ++j) unlink(static_cast<int32_t>(j));  // rows gone
   for (size_t k = 0; k < touched_.size(); ++k) {
     const int32_t i = touched_[k];
     RowState& r = rows_[i];
-    if (q == 1) unlink(i);  // from the list of its old deadline
     r.key = t_key_[k];
     r.nb = t_nb_[k];
     r.adv = static_cast<int32_t>(q);  // worst case until counts arrive
     r.assumed = t_assumed_[k];
-    if (q == 1) link(i);  // deadline: the first pack at which key + s + 1 > nb * bs
+    deadline_[i] = static_cast<uint32_t>(deadline(r));  // the first pack at which key + s + 1 > nb * bs
   }
   // The index: requests that left (their row changed and nobody claimed it) go, moved
   // and new requests take their rows.
@@ -543,20 +568,22 @@ int64_t StepPacker::pack(const StepInput& in, int32_t* out, int64_t capacity, in
   compute_touched(in);
   const int64_t deadline_visits = check_deadlines(in);
 
-  // Listed rows: those whose request is new or moved, or that get blocks or a new list.
-  listed_.clear();
-  if (!list_every_row)
+  // Listed rows: those whose request is new or moved, or that get blocks or a new list. With
+  // q = 1 those are exactly the touched rows.
+  const std::vector<int32_t>* listed = &touched_;
+  if (cfg_.q > 1 && !list_every_row) {
+    listed_.clear();
     for (int32_t i : touched_)
-      if (rows_[i].src != i || has(i, kNew | kAppended | kRewritten))
-        listed_.push_back(i);
-  const int64_t c = list_every_row ? n : static_cast<int64_t>(listed_.size());
+      if (rows_[i].src != i || has(i, kNew | kAppended | kRewritten)) listed_.push_back(i);
+    listed = &listed_;
+  }
+  const int64_t c = list_every_row ? n : static_cast<int64_t>(listed->size());
   const int64_t words = st::total_words(c, in.m + static_cast<int64_t>(app_rows_.size()) + in.x,
                                         in.l + in.a + in.y);
   if (words > capacity)
     fail("out: the staging record needs " + std::to_string(words) + " words, capacity is " +
          std::to_string(capacity));
-  if (list_every_row) listed_.clear();
-  write_record(in, out, seq);
+  write_record(in, out, seq, *listed);
   commit(in);
   rows_visited_ = static_cast<int64_t>(touched_.size()) + deadline_visits;
   return words;

@@ -1,6 +1,7 @@
 // StepPacker: all per-step host work of a decode step: remap, validation and
 // packing of the staging record (layout in staging.h), in O(changed rows + M + L
-// + A + X + Y) when q = 1 (plus a block compare of the request ids), O(N + M + L + A)
+// + A + X + Y) when q = 1 (plus vector compares of the request ids and the rows'
+// deadlines, 4 and 8 rows per instruction), O(N + M + L + A)
 // with draft tokens. Keeps a mirror of the previous step's rows (request id,
 // first position, block count), updated in place for the rows that change, so
 // that bad input is caught on the host, before anything is written.
@@ -70,7 +71,7 @@ class StepPacker {
   int64_t prev_num_reqs() const { return prev_n_; }
   const PackerConfig& config() const { return cfg_; }
   // Rows the last successful pack visited: the changed rows (all rows when q > 1)
-  // plus the rows whose deadline bucket came up. Tests use it to check O(changed).
+  // plus the rows whose deadline is this pack. Tests use it to check O(changed).
   int64_t rows_visited() const { return rows_visited_; }
   // The dense record: list every row, changed or not (a reference and fallback).
   bool list_every_row = false;
@@ -84,14 +85,14 @@ class StepPacker {
   void collect_touched(const StepInput& in);
   void compute_touched(const StepInput& in);
   int64_t check_deadlines(const StepInput& in);
-  void write_record(const StepInput& in, int32_t* out, int32_t seq);
+  void write_record(const StepInput& in, int32_t* out, int32_t seq,
+                    const std::vector<int32_t>& listed);
   void commit(const StepInput& in);
   [[noreturn]] void fail_blocks(const StepInput& in, int64_t row, int64_t pos, int64_t nb,
                                 bool rewritten = false) const;
   // Everything else the packer keeps about one row, in one cache line: a touched row costs one
   // line, wherever it lies (one array per field would cost ~15 lines per row, which a
   // scheduler's work between two steps evicts).
-  static constexpr int32_t kUnlinked = -2;
   struct alignas(64) RowState {
     // The mirror of the last packed step (with ids_): the position as a key: the
     // row's first position at pack number s is key + q * s (s = step_ for the last step).
@@ -101,9 +102,6 @@ class StepPacker {
     // set (-1: exact). nb: its block count.
     int64_t key = 0;
     int32_t nb = 0, adv = 0, assumed = -1;
-    // q = 1: links of the deadline list the row is in (the pack at which its blocks run
-    // out, nb * block_size - key); dl_prev = kUnlinked when in none.
-    int32_t dl_next = -1, dl_prev = kUnlinked;
     // Per-pack scratch, valid while stamp == stamp_ (no O(N) clears): flags (kNew ...),
     // rec (a new row: its index in new_rows; once written, its record), apps (blocks
     // appended), remap (the previous row of a moved request, or -1), src (the previous
@@ -132,8 +130,6 @@ class StepPacker {
   // Row's index in rewrite_rows this pack, or -1.
   int32_t rewrite_of(int64_t row) const { return has(row, kRewritten) ? rows_[row].rw : -1; }
   int64_t deadline(const RowState& r) const { return r.nb * cfg_.block_size - r.key; }
-  void link(int32_t row);
-  void unlink(int32_t row);
 
   PackerConfig cfg_;
   RequestIndex index_;  // request id -> row of the previous step
@@ -144,14 +140,15 @@ class StepPacker {
   std::vector<int64_t> ids_;
   int64_t prev_n_ = 0, prev_prev_n_ = 0, step_ = 0;
 
-  // q = 1: heads of the intrusive deadline lists, bucketed by deadline & dl_mask_, so each
-  // pack visits only the rows whose deadline is now (docs/ZOS.md).
-  std::vector<int32_t> dl_head_;
-  int64_t dl_mask_ = 0;
+  // q = 1: [max_num_reqs] each row's deadline (deadline(r)) modulo 2^32, apart from rows_:
+  // a pack finds the rows whose deadline is now with one vector compare per 8 rows.
+  std::vector<uint32_t> deadline_;
 
   uint32_t stamp_ = 0;
   std::vector<int32_t> moved_, app_rows_, app_cursor_, touched_, listed_;
-  std::vector<uint64_t> touch_bits_;  // one bit per row, all zero between packs
+  // q = 1: one bit per touched row of the last pack (rows up to touch_hi_), cleared by the next.
+  std::vector<uint64_t> touch_bits_;
+  int32_t touch_hi_ = -1;
   std::vector<int64_t> t_key_;        // per touched row (touched_ order): its next state
   std::vector<int32_t> t_nb_, t_assumed_;
   int64_t rows_visited_ = 0;

@@ -129,7 +129,7 @@ def test_packer_sparse_record_equals_dense_record(seed, rewrite):
 @pytest.mark.parametrize("bs,w", [(16, 8), (5, 7), (1, 40)])
 def test_unchanged_rows_cost_no_visit(bs, w):
     """A steady batch: every step the packer visits only the rows that cross into a block
-    (once as changed rows, once in their deadline bucket), lists only them, and a step that
+    (once as changed rows, once as rows whose deadline is now), lists only them, and a step that
     forgets one such append is refused naming it, with nothing committed."""
     n = 64
     p = packer(r=n, w=w, bs=bs)
