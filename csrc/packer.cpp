@@ -54,11 +54,13 @@ int64_t first_outside(const int32_t* __restrict ids, int64_t count, int64_t lo, 
 }
 
 // Masks of 64 rows without a branch per row: bit b set where c[b] != p[b] (request ids), or
-// where dl[b] == now (deadlines); len <= 64. An AVX2 version where the CPU has it (GCC/Clang
-// function multiversioning picks it at load time), plain loops elsewhere.
+// where dl[b] == now (deadlines); len <= 64. An AVX2 version for whole chunks of 64 where the
+// CPU has it (GCC/Clang function multiversioning picks it at load time; `unused` quiets
+// Clang, which does not see the resolver's use), plain loops elsewhere and for a last
+// chunk of fewer than 64 rows.
 #if defined(__x86_64__) && defined(__linux__) && defined(__GLIBC__)
-__attribute__((target("avx2"))) uint64_t differ_mask(const int64_t* c, const int64_t* p,
-                                                     int64_t len) {
+__attribute__((target("avx2"), unused))
+uint64_t differ_mask(const int64_t* c, const int64_t* p, int64_t len) {
   if (len < 64) return differ_mask_scalar(c, p, len);
   uint64_t same = 0;
   for (int b = 0; b < 64; b += 4) {
@@ -69,7 +71,8 @@ __attribute__((target("avx2"))) uint64_t differ_mask(const int64_t* c, const int
   }
   return ~same;
 }
-__attribute__((target("avx2"))) uint64_t due_mask(const uint32_t* dl, int64_t len, uint32_t now) {
+__attribute__((target("avx2"), unused))
+uint64_t due_mask(const uint32_t* dl, int64_t len, uint32_t now) {
   if (len < 64) return due_mask_scalar(dl, len, now);
   const __m256i v = _mm256_set1_epi32(static_cast<int>(now));
   uint64_t due = 0;
@@ -90,6 +93,7 @@ ZOS_DEFAULT uint64_t differ_mask(const int64_t* c, const int64_t* p, int64_t len
 ZOS_DEFAULT uint64_t due_mask(const uint32_t* dl, int64_t len, uint32_t now) {
   return due_mask_scalar(dl, len, now);
 }
+#undef ZOS_DEFAULT
 
 std::string row_str(int64_t row, int64_t id) {
   return "row " + std::to_string(row) + " (request " + std::to_string(id) + ")";
@@ -106,6 +110,11 @@ StepPacker::StepPacker(const PackerConfig& cfg) : cfg_(cfg), index_(cfg.max_num_
   positive(cfg.block_size, "block_size");
   positive(cfg.max_num_blocks_per_req, "max_num_blocks_per_req");
   positive(cfg.vocab_size, "vocab_size");
+  // Positions are int32, and check_deadlines compares deadlines modulo 2^32: both hold
+  // because a request spans at most 2^31 tokens.
+  if (cfg.max_num_blocks_per_req > (int64_t{1} << 31) / cfg.block_size)
+    fail("max_num_blocks_per_req * block_size must be <= 2^31 tokens (int32 positions), got " +
+         std::to_string(cfg.max_num_blocks_per_req) + " * " + std::to_string(cfg.block_size));
   if (cfg.null_block != 0 && cfg.null_block < cfg.num_kv_blocks)
     fail("null_block must be 0 or >= num_kv_blocks = " + std::to_string(cfg.num_kv_blocks) +
          " (a block handed to requests cannot be the null block), got " +
@@ -416,12 +425,12 @@ void StepPacker::compute_touched(const StepInput& in) {
 
 // q = 1: rows that keep their request and get no block are not visited above; those whose
 // blocks run out at this pack are found by a vector compare of deadline_ and must have been
-// touched. Returns the rows whose deadline is now.
+// touched (the lowest that was not is refused). Returns the count of rows whose deadline is now.
 int64_t StepPacker::check_deadlines(const StepInput& in) {
   if (cfg_.q > 1) return 0;
   const int64_t s = step_ + 1, common = std::min(in.n, prev_n_);
-  // A carried row's deadline lies in [s, s + max_num_blocks_per_req * block_size]: a
-  // compare modulo 2^32 is exact.
+  // A carried row's deadline lies in [s, s + max_num_blocks_per_req * block_size), and the
+  // constructor holds that span to <= 2^31: a compare modulo 2^32 is exact.
   const auto now = static_cast<uint32_t>(s);
   const uint32_t* dl = deadline_.data();
   int64_t visited = 0;
@@ -527,7 +536,8 @@ void StepPacker::commit(const StepInput& in) {
     r.nb = t_nb_[k];
     r.adv = static_cast<int32_t>(q);  // worst case until counts arrive
     r.assumed = t_assumed_[k];
-    deadline_[i] = static_cast<uint32_t>(deadline(r));  // the first pack at which key + s + 1 > nb * bs
+    // The first pack at which key + s + 1 > nb * bs (modulo 2^32: check_deadlines).
+    deadline_[i] = static_cast<uint32_t>(deadline(r));
   }
   // The index: requests that left (their row changed and nobody claimed it) go, moved
   // and new requests take their rows.

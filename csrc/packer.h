@@ -136,7 +136,7 @@ class StepPacker {
   RowIndex new_ids_;    // ids absent from the previous step, for duplicate checks
   std::vector<RowState> rows_;  // [max_num_reqs]
   // [max_num_reqs] the request id of each row of the last packed step, apart from rows_: a
-  // step's ids are compared with them in blocks of 8 (one cache line).
+  // step's ids are compared with them 64 rows per mask (find_changed).
   std::vector<int64_t> ids_;
   int64_t prev_n_ = 0, prev_prev_n_ = 0, step_ = 0;
 

@@ -126,6 +126,50 @@ def test_packer_sparse_record_equals_dense_record(seed, rewrite):
     assert (rewritten > 50 and refused_rewrites >= 2) if rewrite else rewritten == 0
 
 
+
+@pytest.mark.parametrize("due_row", [5, 129])  # in a whole chunk of 64 rows, in the last chunk
+@pytest.mark.parametrize("fails_in", ["rewrite", "capacity"])
+def test_a_refused_pack_leaves_no_row_marked_touched(due_row, fails_in):
+    """A pack that appends to the one row whose blocks run out, then is refused after it
+    marked the rows it touches (a rewritten list too short for its row, or a record larger
+    than ``out``), must not leave that row marked: the next pack, which forgets the append,
+    is refused naming the row, and the one after, with the append, is accepted."""
+    n, bs, w = 130, 4, 8
+    p = packer(r=n, w=w, bs=bs)
+    out = np.zeros(staging.capacity_words(n, w), np.int32)
+    ids = list(range(1000, 1000 + n))
+    # Every row at position 0 with 2 blocks, except due_row at 3 with 1: its deadline is now.
+    new = {i: (7, 3 if i == due_row else 0, [1 + 2 * i] if i == due_row else [1 + 2 * i, 2 + 2 * i])
+           for i in range(n)}
+    pack(p, DecodeStep.build(ids, new), out)
+    append = [(due_row, 399)]
+    if fails_in == "rewrite":  # row 100 at position 1 keeps 0 blocks: refused when computed
+        bad = DecodeStep.build(ids, appends=append, rewrites={100: []})
+        with pytest.raises(ValueError, match="row 100 .*needs 1 blocks, got 0"):
+            pack(p, bad, out)
+    else:
+        with pytest.raises(ValueError, match="capacity"):
+            pack(p, DecodeStep.build(ids, appends=append), out[:8])
+    with pytest.raises(ValueError, match=f"row {due_row} .*append a block"):
+        pack(p, DecodeStep.build(ids), out)
+    words = pack(p, DecodeStep.build(ids, appends=append), out)
+    assert staging.parse(out[:words]).listed.tolist() == [[due_row, due_row, 0]]
+
+
+def test_packer_refuses_a_request_longer_than_int32_positions():
+    """Positions are int32 and deadlines are compared modulo 2^32: a configuration whose
+    requests could span more than 2^31 tokens is refused at construction."""
+    with pytest.raises(ValueError, match=r"max_num_blocks_per_req \* block_size must be <= 2\^31"):
+        packer(r=1, w=2 ** 11 + 1, bs=2 ** 20)
+    w, bs = 2 ** 11, 2 ** 20  # exactly 2^31 tokens: accepted, and so is its last position
+    p = StepPacker(max_num_reqs=1, uniform_decode_query_len=1, block_size=bs,
+                   max_num_blocks_per_req=w, num_kv_blocks=w + 1, vocab_size=VOCAB)
+    out = np.zeros(staging.capacity_words(1, w), np.int32)
+    pack(p, DecodeStep.build([7], {0: (1, 2 ** 31 - 2, range(1, w + 1))}), out)
+    pack(p, DecodeStep.build([7]), out)  # position 2^31 - 1
+    with pytest.raises(ValueError, match="reaches position 2147483648"):
+        pack(p, DecodeStep.build([7]), out)
+
 @pytest.mark.parametrize("bs,w", [(16, 8), (5, 7), (1, 40)])
 def test_unchanged_rows_cost_no_visit(bs, w):
     """A steady batch: every step the packer visits only the rows that cross into a block
