@@ -126,7 +126,6 @@ def test_packer_sparse_record_equals_dense_record(seed, rewrite):
     assert (rewritten > 50 and refused_rewrites >= 2) if rewrite else rewritten == 0
 
 
-
 @pytest.mark.parametrize("due_row", [5, 129])  # in a whole chunk of 64 rows, in the last chunk
 @pytest.mark.parametrize("fails_in", ["rewrite", "capacity"])
 def test_a_refused_pack_leaves_no_row_marked_touched(due_row, fails_in):
@@ -139,8 +138,8 @@ def test_a_refused_pack_leaves_no_row_marked_touched(due_row, fails_in):
     out = np.zeros(staging.capacity_words(n, w), np.int32)
     ids = list(range(1000, 1000 + n))
     # Every row at position 0 with 2 blocks, except due_row at 3 with 1: its deadline is now.
-    new = {i: (7, 3 if i == due_row else 0, [1 + 2 * i] if i == due_row else [1 + 2 * i, 2 + 2 * i])
-           for i in range(n)}
+    new = {i: (7, 0, [1 + 2 * i, 2 + 2 * i]) for i in range(n)}
+    new[due_row] = (7, 3, [1 + 2 * due_row])
     pack(p, DecodeStep.build(ids, new), out)
     append = [(due_row, 399)]
     if fails_in == "rewrite":  # row 100 at position 1 keeps 0 blocks: refused when computed
@@ -169,6 +168,7 @@ def test_packer_refuses_a_request_longer_than_int32_positions():
     pack(p, DecodeStep.build([7]), out)  # position 2^31 - 1
     with pytest.raises(ValueError, match="reaches position 2147483648"):
         pack(p, DecodeStep.build([7]), out)
+
 
 @pytest.mark.parametrize("bs,w", [(16, 8), (5, 7), (1, 40)])
 def test_unchanged_rows_cost_no_visit(bs, w):
