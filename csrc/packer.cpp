@@ -132,6 +132,8 @@ StepPacker::StepPacker(const PackerConfig& cfg) : cfg_(cfg), index_(cfg.max_num_
   t_assumed_.assign(r, 0);
   deadline_.assign(r, 0);
   for (auto* v : {&moved_, &app_rows_, &app_cursor_, &touched_, &listed_}) v->reserve(r);
+  hash_curr_.reserve(r);
+  hash_prev_.reserve(r);
   touch_bits_.assign((r + 63) / 64, 0);
 }
 
@@ -197,9 +199,14 @@ void StepPacker::find_changed(const StepInput& in) {
       moved[count++] = static_cast<int32_t>(i0 + __builtin_ctzll(m));
   for (int64_t i = common; i < n; ++i) moved[count++] = static_cast<int32_t>(i);
   moved_.resize(static_cast<size_t>(count));
-  for (int32_t i : moved_) {  // found above: their lookups (and the erases in commit) follow
-    index_.prefetch(curr[i]);
-    if (i < prev_n_) index_.prefetch(prev[i]);
+  // Found above: their lookups (and the erases and inserts in commit) follow, each with the
+  // id's hash computed here once.
+  hash_curr_.resize(moved_.size());
+  hash_prev_.resize(moved_.size());
+  for (size_t k = 0; k < moved_.size(); ++k) {
+    const int32_t i = moved_[k];
+    index_.prefetch(hash_curr_[k] = hash_id(curr[i]));
+    if (i < prev_n_) index_.prefetch(hash_prev_[k] = hash_id(prev[i]));
     __builtin_prefetch(&rows_[i]);
   }
   new_ids_.reset(static_cast<int64_t>(moved_.size()));
@@ -207,8 +214,9 @@ void StepPacker::find_changed(const StepInput& in) {
     fail("req_ids: request id " + std::to_string(id) + " appears twice, at positions " +
          std::to_string(std::min(a, b)) + " and " + std::to_string(std::max(a, b)));
   };
-  for (int32_t i : moved_) {
-    const int32_t j = index_.find(curr[i]);
+  for (size_t k = 0; k < moved_.size(); ++k) {
+    const int32_t i = moved_[k];
+    const int32_t j = index_.find(curr[i], hash_curr_[k]);
     if (j >= 0) {
       if (j < n && same_request(in, j)) duplicate(curr[i], j, i);
       if (has(j, kClaimed))  // the row that claimed j first holds remap j
@@ -216,7 +224,7 @@ void StepPacker::find_changed(const StepInput& in) {
           if (first < i && rows_[first].remap == j) duplicate(curr[i], first, i);
       mark(j, kClaimed);
     } else {
-      const int32_t first = new_ids_.insert(curr[i], i);
+      const int32_t first = new_ids_.insert(curr[i], hash_curr_[k], i);
       if (first >= 0) duplicate(curr[i], first, i);
     }
     rows_[i].remap = j;  // the stamp of row i is not needed: remap is read for moved rows only
@@ -541,12 +549,15 @@ void StepPacker::commit(const StepInput& in) {
   }
   // The index: requests that left (their row changed and nobody claimed it) go, moved
   // and new requests take their rows.
-  for (int32_t j : moved_)
-    if (j < p && !has(j, kClaimed)) index_.erase(ids_[j]);
+  for (size_t k = 0; k < moved_.size(); ++k) {
+    const int32_t j = moved_[k];
+    if (j < p && !has(j, kClaimed)) index_.erase(ids_[j], hash_prev_[k]);
+  }
   for (int64_t j = n; j < p; ++j)
     if (!has(j, kClaimed)) index_.erase(ids_[j]);
-  for (int32_t i : moved_) {
-    index_.assign(in.req_ids[i], i);
+  for (size_t k = 0; k < moved_.size(); ++k) {
+    const int32_t i = moved_[k];
+    index_.assign(in.req_ids[i], hash_curr_[k], i);
     ids_[i] = in.req_ids[i];
   }
   prev_prev_n_ = p;

@@ -146,6 +146,9 @@ class StepPacker {
 
   uint32_t stamp_ = 0;
   std::vector<int32_t> moved_, app_rows_, app_cursor_, touched_, listed_;
+  // hash_id of moved_[k]'s request id in this step and in the previous one (k < moved_.size();
+  // the latter only for rows of the previous step).
+  std::vector<uint64_t> hash_curr_, hash_prev_;
   // q = 1: one bit per touched row of the last pack (rows up to touch_hi_), cleared by the next.
   std::vector<uint64_t> touch_bits_;
   int32_t touch_hi_ = -1;

@@ -6,14 +6,6 @@
 namespace zos {
 namespace {
 
-inline uint64_t mix(uint64_t x) {  // splitmix64 finaliser
-  x ^= x >> 30;
-  x *= 0xbf58476d1ce4e5b9ULL;
-  x ^= x >> 27;
-  x *= 0x94d049bb133111ebULL;
-  return x ^ (x >> 31);
-}
-
 [[noreturn]] void duplicate(const char* field, int64_t id, int32_t first, int64_t second) {
   throw std::invalid_argument(std::string(field) + ": request id " + std::to_string(id) +
                               " appears twice, at positions " + std::to_string(first) +
@@ -38,8 +30,8 @@ void RowIndex::reset(int64_t n) {
   }
 }
 
-int32_t RowIndex::insert(int64_t key, int32_t row) {
-  for (uint64_t h = mix(static_cast<uint64_t>(key)) & mask_;; h = (h + 1) & mask_) {
+int32_t RowIndex::insert(int64_t key, uint64_t hash, int32_t row) {
+  for (uint64_t h = hash & mask_;; h = (h + 1) & mask_) {
     if (stamps_[h] != stamp_) {
       stamps_[h] = stamp_;
       keys_[h] = key;
@@ -51,7 +43,7 @@ int32_t RowIndex::insert(int64_t key, int32_t row) {
 }
 
 int32_t RowIndex::find(int64_t key) const {
-  for (uint64_t h = mix(static_cast<uint64_t>(key)) & mask_;; h = (h + 1) & mask_) {
+  for (uint64_t h = hash_id(key) & mask_;; h = (h + 1) & mask_) {
     if (stamps_[h] != stamp_) return -1;
     if (keys_[h] == key) return rows_[h];
   }
@@ -64,25 +56,23 @@ RequestIndex::RequestIndex(int64_t max_keys) {
   mask_ = cap - 1;
 }
 
-uint64_t RequestIndex::home(int64_t key) const { return mix(static_cast<uint64_t>(key)) & mask_; }
-
-int32_t RequestIndex::find(int64_t key) const {
-  for (uint64_t h = home(key);; h = (h + 1) & mask_) {
+int32_t RequestIndex::find(int64_t key, uint64_t hash) const {
+  for (uint64_t h = hash & mask_;; h = (h + 1) & mask_) {
     const Slot& s = slots_[h];
     if (s.row < 0) return -1;
     if (s.key == key) return s.row;
   }
 }
 
-void RequestIndex::assign(int64_t key, int32_t row) {
-  const uint64_t at = home(key);
+void RequestIndex::assign(int64_t key, uint64_t hash, int32_t row) {
+  const uint64_t at = hash & mask_;
   uint64_t h = at;
   while (slots_[h].row >= 0 && slots_[h].key != key) h = (h + 1) & mask_;
   slots_[h] = Slot{key, row, static_cast<uint32_t>(at)};
 }
 
-void RequestIndex::erase(int64_t key) {
-  uint64_t i = home(key);
+void RequestIndex::erase(int64_t key, uint64_t hash) {
+  uint64_t i = hash & mask_;
   while (true) {
     if (slots_[i].row < 0) return;
     if (slots_[i].key == key) break;
