@@ -7,11 +7,10 @@
 // insert), duplicate new ids, block ids in range, positions against block counts, appended
 // rows against their block counts, rows whose blocks run out this step against the appended
 // rows (a deadline mask), the record (list, records, block ids) and its state (SoA arrays).
-// It leaves out what StepPacker also does: moved rows, rewritten block lists, draft tokens,
-// the dense record, the prefetches, the error messages (it returns false), and the rule that
-// nothing is written before every check has passed (the lean pack writes its state last, but
-// does not undo a half-written record). So it bounds from below what a pack of these steps
-// with StepPacker's checks costs; it is no replacement.
+// Like StepPacker it writes nothing (record or state) before every check has passed. It leaves
+// out what StepPacker also does: moved rows, rewritten block lists, draft tokens, the dense
+// record, the prefetches of rows and the error messages (it returns false). So it bounds from
+// below what a pack of these steps with StepPacker's checks costs; it is no replacement.
 //
 // x86-64 with AVX2 only. Build and run from the repository root:
 //   python bench/dump_steps.py --n 1024 --steps 400 --out /tmp/steps1024.bin
