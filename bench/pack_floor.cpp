@@ -15,7 +15,10 @@
 // x86-64 with AVX2 only. Build and run from the repository root:
 //   python bench/dump_steps.py --n 1024 --steps 400 --out /tmp/steps1024.bin
 //   g++ -O3 -std=c++17 -Icsrc bench/pack_floor.cpp csrc/packer.cpp csrc/remap.cpp -o /tmp/pack_floor
-//   /tmp/pack_floor /tmp/steps1024.bin [repetitions]
+//   /tmp/pack_floor /tmp/steps1024.bin [repetitions] [evict_kib]
+// With evict_kib > 0, before each pack (of either) the harness writes a buffer of that many KiB,
+// as a scheduler's work between two steps would: the packers' state is then cold in the caches
+// that buffer covers.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -53,8 +56,11 @@ void read_array(FILE* f, std::vector<T>& v) {
 }
 
 volatile int64_t sink;
-// The scheduler has just built the step: its arrays are in the host's caches.
+std::vector<int64_t> evict;  // written before each pack when evict_kib > 0
+// The scheduler has just built the step: its arrays are in the host's caches (after the
+// eviction buffer, if any).
 void touch(const Step& s) {
+  for (size_t k = 0; k < evict.size(); k += 8) evict[k] += 1;  // one store per 64-byte line
   int64_t acc = 0;
   for (int64_t v : s.req_ids) acc += v;
   for (const auto& f : s.field)
@@ -234,7 +240,7 @@ double median(std::vector<double> v) {
 
 int main(int argc, char** argv) {
   if (argc < 2) {
-    std::fprintf(stderr, "usage: %s STEPS_FILE [repetitions]\n", argv[0]);
+    std::fprintf(stderr, "usage: %s STEPS_FILE [repetitions] [evict_kib]\n", argv[0]);
     return 2;
   }
   FILE* f = std::fopen(argv[1], "rb");
@@ -247,6 +253,7 @@ int main(int argc, char** argv) {
     for (auto& field : s.field) read_array(f, field);
   }
   const int reps = argc > 2 ? std::atoi(argv[2]) : 5;
+  evict.assign(static_cast<size_t>(argc > 3 ? std::atoi(argv[3]) : 0) * 128, 0);
   const size_t words = zos::staging::kHeaderWords + 8 * n + n * w + 64;
   std::vector<int32_t> out(words), lean_out(words);
   for (int rep = 0; rep < reps; ++rep) {
@@ -270,10 +277,10 @@ int main(int argc, char** argv) {
         t_lean.push_back(std::chrono::duration<double, std::micro>(t3 - t2).count());
       }
     }
-    std::printf("N = %ld: StepPacker.pack %.2f us, lean pack %.2f us (medians of %zu steps); "
-                "records differ in %d of %zu steps\n",
-                static_cast<long>(n), median(t_pack), median(t_lean), t_pack.size(), differ,
-                steps.size());
+    std::printf("N = %ld, evict %zu KiB: StepPacker.pack %.2f us, lean pack %.2f us (medians of "
+                "%zu steps); records differ in %d of %zu steps\n",
+                static_cast<long>(n), evict.size() / 128, median(t_pack), median(t_lean),
+                t_pack.size(), differ, steps.size());
   }
   return 0;
 }

@@ -127,14 +127,12 @@ StepPacker::StepPacker(const PackerConfig& cfg) : cfg_(cfg), index_(cfg.max_num_
   rows_.assign(r, RowState{});
   ids_.assign(r, 0);
   for (RowState& row : rows_) row.adv = static_cast<int32_t>(cfg.q);
-  t_key_.assign(r, 0);
-  t_nb_.assign(r, 0);
-  t_assumed_.assign(r, 0);
   deadline_.assign(r, 0);
   for (auto* v : {&moved_, &app_rows_, &app_cursor_, &touched_, &listed_}) v->reserve(r);
   hash_curr_.reserve(r);
   hash_prev_.reserve(r);
-  touch_bits_.assign((r + 63) / 64, 0);
+  for (auto* b : {&new_bits_, &app_bits_, &rw_bits_, &claimed_bits_, &touch_bits_})
+    b->assign((r + 63) / 64, 0);
 }
 
 void StepPacker::reset() {
@@ -219,15 +217,16 @@ void StepPacker::find_changed(const StepInput& in) {
     const int32_t j = index_.find(curr[i], hash_curr_[k]);
     if (j >= 0) {
       if (j < n && same_request(in, j)) duplicate(curr[i], j, i);
-      if (has(j, kClaimed))  // the row that claimed j first holds remap j
+      if (bit(claimed_bits_, j))  // the row that claimed j first holds remap j
         for (int32_t first : moved_)
           if (first < i && rows_[first].remap == j) duplicate(curr[i], first, i);
-      mark(j, kClaimed);
+      set_bit(claimed_bits_, j);
     } else {
       const int32_t first = new_ids_.insert(curr[i], hash_curr_[k], i);
       if (first >= 0) duplicate(curr[i], first, i);
     }
-    rows_[i].remap = j;  // the stamp of row i is not needed: remap is read for moved rows only
+    rows_[i].remap = j;  // read for moved rows only
+    set_bit(touch_bits_, i);
   }
 }
 
@@ -241,11 +240,12 @@ void StepPacker::validate_new_rows(const StepInput& in) {
   for (int64_t k = 0; k < in.m; ++k) {
     const int64_t row = in.new_rows[k];
     check_row("new_rows", k, row, in.n);
+    RowState& r = rows_[row];
     if (is_new(row))
       fail("new_rows: row " + std::to_string(row) + " appears twice, at positions " +
-           std::to_string(rows_[row].rec) + " and " + std::to_string(k));
-    mark(row, kNew);
-    rows_[row].rec = static_cast<int32_t>(k);
+           std::to_string(r.rec) + " and " + std::to_string(k));
+    set_bit(new_bits_, row);
+    r.rec = static_cast<int32_t>(k);
     auto who = [&] { return row_str(row, in.req_ids[row]); };  // built only on failure
     const int64_t tok = in.new_tokens[k], pos = in.new_positions[k];
     if (tok < 0 || tok >= cfg_.vocab_size)
@@ -263,6 +263,10 @@ void StepPacker::validate_new_rows(const StepInput& in) {
     if (pos + cfg_.q > (hi - lo) * cfg_.block_size)
       fail("new_block_ids: " + who() + " at position " + std::to_string(pos) + " needs " +
            std::to_string((pos + cfg_.q - 1) / cfg_.block_size + 1) + " blocks, got " + std::to_string(hi - lo));
+    r.next_key = pos - cfg_.q * (step_ + 1);  // its state after this pack (commit)
+    r.next_nb = static_cast<int32_t>(hi - lo);
+    r.next_assumed = -1;
+    r.src = -1;
   }
   const int64_t first = cfg_.first_block_id();
   const int64_t e = first_outside(in.new_block_ids, in.l, first, cfg_.num_kv_blocks);
@@ -289,21 +293,21 @@ void StepPacker::validate_appends(const StepInput& in) {
     if (b < cfg_.first_block_id() || b >= cfg_.num_kv_blocks)
       fail("append_block_ids: " + who() + " gets block id " + std::to_string(b) + " outside [" +
            std::to_string(cfg_.first_block_id()) + ", " + std::to_string(cfg_.num_kv_blocks) + ")");
-    if (!has(row, kAppended)) {
-      mark(row, kAppended);
+    if (!bit(app_bits_, row)) {
+      set_bit(app_bits_, row);
       rows_[row].apps = 0;
-      app_rows_.push_back(static_cast<int32_t>(row));
     }
     ++rows_[row].apps;
   }
-  // Records of appended rows in row order (schedulers usually list appends in row order).
-  if (!std::is_sorted(app_rows_.begin(), app_rows_.end()))
-    std::sort(app_rows_.begin(), app_rows_.end());
+  // Records of appended rows in row order.
+  for (size_t w = 0; w < words_; ++w)
+    for (uint64_t bits = app_bits_[w]; bits; bits &= bits - 1)
+      app_rows_.push_back(static_cast<int32_t>(w * 64 + __builtin_ctzll(bits)));
 }
 
-// A rewritten row is a carried row (checked with the others in compute_touched) that is
+// A rewritten row is a carried row (checked with the others in compute_carried) that is
 // neither new nor appended to, listed once, with at most W block ids in [first,
-// num_kv_blocks); its position is checked against its new list in compute_touched, where
+// num_kv_blocks); its position is checked against its new list in compute_carried, where
 // the position is known.
 void StepPacker::validate_rewrites(const StepInput& in) {
   if (in.rewrite_block_indptr == nullptr && in.x == 0 && in.y == 0) return;  // none given
@@ -324,10 +328,10 @@ void StepPacker::validate_rewrites(const StepInput& in) {
     if (apps(row) > 0)
       fail("rewrite_rows: " + who() + " also has append_rows entries; end its "
            "rewrite_block_ids with the appended blocks instead");
-    if (has(row, kRewritten))
+    if (bit(rw_bits_, row))
       fail("rewrite_rows: row " + std::to_string(row) + " appears twice, at positions " +
            std::to_string(rows_[row].rw) + " and " + std::to_string(k));
-    mark(row, kRewritten);
+    set_bit(rw_bits_, row);
     rows_[row].rw = static_cast<int32_t>(k);
     const int64_t count = indptr[k + 1] - indptr[k];
     if (count > cfg_.max_num_blocks_per_req)
@@ -346,36 +350,18 @@ void StepPacker::validate_rewrites(const StepInput& in) {
   }
 }
 
-// The rows whose mirror this pack rewrites, in row order: with q = 1 the changed
-// rows (moved in, new, or given blocks), with draft tokens every row (positions
-// advance by per-row accepted counts).
+// The rows whose mirror this pack rewrites, in row order, into touch_bits_ and touched_: with
+// q = 1 the changed rows (moved in: their bits are set by find_changed; new; given blocks or a
+// new list), with draft tokens every row (positions advance by per-row accepted counts). One
+// word per 64 rows (16 words at N = 1,024): no sort.
 void StepPacker::collect_touched(const StepInput& in) {
   touched_.clear();
-  if (cfg_.q > 1) {  // every row (positions advance by per-row accepted counts)
-    for (int64_t i = 0; i < in.n; ++i) {
-      mark(i, kTouched);  // the dense record reads the flag
-      touched_.push_back(static_cast<int32_t>(i));
-    }
-    return;
-  }
-  // Rows are marked in a bitmap and read back in row order: no sort, one word per 64 rows
-  // up to the highest row touched (16 words at N = 1,024); check_deadlines reads it too.
-  std::fill_n(touch_bits_.begin(), (touch_hi_ >> 6) + 1, 0);  // the last pack's, if it failed
-  int32_t hi = -1;
-  auto touch = [&](int32_t row) {
-    if (has(row, kTouched)) return;
-    mark(row, kTouched);
-    touch_bits_[static_cast<size_t>(row) >> 6] |= uint64_t{1} << (row & 63);
-    hi = std::max(hi, row);
-  };
-  for (int32_t i : moved_) touch(i);
-  for (int64_t k = 0; k < in.m; ++k) touch(in.new_rows[k]);
-  for (int32_t i : app_rows_) touch(i);
-  for (int64_t k = 0; k < in.x; ++k) touch(in.rewrite_rows[k]);
-  touch_hi_ = hi;
-  for (int64_t w = 0; w <= (hi >> 6); ++w) {
-    for (uint64_t bits = touch_bits_[static_cast<size_t>(w)]; bits; bits &= bits - 1)
-      touched_.push_back(static_cast<int32_t>(w * 64 + __builtin_ctzll(bits)));
+  const size_t full = static_cast<size_t>(in.n) >> 6;
+  for (size_t w = 0; w < words_; ++w) {
+    uint64_t t = touch_bits_[w] | new_bits_[w] | app_bits_[w] | rw_bits_[w];
+    if (cfg_.q > 1) t = w < full ? ~uint64_t{0} : w == full ? (uint64_t{1} << (in.n & 63)) - 1 : 0;
+    touch_bits_[w] = t;
+    for (; t; t &= t - 1) touched_.push_back(static_cast<int32_t>(w * 64 + __builtin_ctzll(t)));
   }
 }
 
@@ -398,36 +384,31 @@ void StepPacker::collect_touched(const StepInput& in) {
        std::to_string(nb) + " blocks; append a block");
 }
 
-// The next state of every touched row, into t_*; rows_[row].src = its previous row.
-void StepPacker::compute_touched(const StepInput& in) {
+// The next state of every touched row that is not new (a new row's is set by
+// validate_new_rows), in row order: rows_[row].next_*, and src = its previous row.
+void StepPacker::compute_carried(const StepInput& in) {
   const int64_t q = cfg_.q, bs = cfg_.block_size, w = cfg_.max_num_blocks_per_req;
   const int64_t s = step_ + 1;
-  for (size_t k = 0; k < touched_.size(); ++k) {
-    const int32_t i = touched_[k];
-    RowState& row = rows_[i];
-    if (is_new(i)) {
-      const int32_t r = row.rec;
-      t_key_[k] = in.new_positions[r] - q * s;
-      t_nb_[k] = in.new_block_indptr[r + 1] - in.new_block_indptr[r];
-      t_assumed_[k] = -1;
-      row.src = -1;
-      continue;
+  for (size_t wd = 0; wd < words_; ++wd) {
+    for (uint64_t bits = touch_bits_[wd] & ~new_bits_[wd]; bits; bits &= bits - 1) {
+      const auto i = static_cast<int32_t>(wd * 64 + __builtin_ctzll(bits));
+      RowState& row = rows_[i];
+      const int32_t j = same_request(in, i) ? i : row.remap;
+      if (j < 0)
+        fail("new_rows: " + row_str(i, in.req_ids[i]) +
+             " was not in the previous step and has no new-row payload");
+      const RowState& prev = rows_[j];
+      const int64_t pos = prev.key + q * step_ + prev.adv;
+      const int32_t kw = rewrite_of(i);  // a rewritten row brings its whole list
+      const int64_t nb = kw >= 0 ? in.rewrite_block_indptr[kw + 1] - in.rewrite_block_indptr[kw]
+                                 : prev.nb + apps(i);
+      if (nb > w || pos + q > nb * bs) fail_blocks(in, i, pos, nb, kw >= 0);  // no division
+      row.next_key = pos - q * s;
+      row.next_nb = static_cast<int32_t>(nb);
+      // q > 1: a count still assumed (q) is corrected when it arrives, steps_ago = 1.
+      row.next_assumed = (q > 1 && prev.adv == q) ? j : -1;
+      row.src = j;
     }
-    const int32_t j = same_request(in, i) ? i : row.remap;
-    if (j < 0)
-      fail("new_rows: " + row_str(i, in.req_ids[i]) +
-           " was not in the previous step and has no new-row payload");
-    const RowState& prev = rows_[j];
-    const int64_t pos = prev.key + q * step_ + prev.adv;
-    const int32_t kw = rewrite_of(i);  // a rewritten row brings its whole list
-    const int64_t nb = kw >= 0 ? in.rewrite_block_indptr[kw + 1] - in.rewrite_block_indptr[kw]
-                               : prev.nb + apps(i);
-    if (nb > w || pos + q > nb * bs) fail_blocks(in, i, pos, nb, kw >= 0);  // no division here
-    t_key_[k] = pos - q * s;
-    t_nb_[k] = static_cast<int32_t>(nb);
-    // q > 1: a count still assumed (q) is corrected when it arrives, steps_ago = 1.
-    t_assumed_[k] = (q > 1 && prev.adv == q) ? j : -1;
-    row.src = j;
   }
 }
 
@@ -517,15 +498,12 @@ void StepPacker::write_record(const StepInput& in, int32_t* out, int32_t seq,
     e[st::kListSrc] = src;
     e[st::kListRec] = rec;
   };
-  // A row has a record when it is new, appended to or rewritten (rec set above or in
-  // validate_new_rows).
-  auto rec_of = [&](int32_t row) {
-    return has(row, kNew | kAppended | kRewritten) ? rows_[row].rec : -1;
-  };
+  // rec: set above or in validate_new_rows.
+  auto rec_of = [&](int32_t row) { return has_record(row) ? rows_[row].rec : -1; };
   if (list_every_row) {  // dense: every row, an unchanged one as (row, row, -1)
     for (int64_t i = 0; i < n; ++i) {
       const auto row = static_cast<int32_t>(i);
-      entry(i, row, has(row, kTouched) ? rows_[row].src : row, rec_of(row));
+      entry(i, row, bit(touch_bits_, row) ? rows_[row].src : row, rec_of(row));
     }
   } else {
     for (size_t k = 0; k < listed.size(); ++k)
@@ -537,13 +515,12 @@ void StepPacker::write_record(const StepInput& in, int32_t* out, int32_t seq,
 void StepPacker::commit(const StepInput& in) {
   const int64_t n = in.n, p = prev_n_, q = cfg_.q;
   const int64_t s = step_ + 1;
-  for (size_t k = 0; k < touched_.size(); ++k) {
-    const int32_t i = touched_[k];
+  for (const int32_t i : touched_) {
     RowState& r = rows_[i];
-    r.key = t_key_[k];
-    r.nb = t_nb_[k];
+    r.key = r.next_key;
+    r.nb = r.next_nb;
     r.adv = static_cast<int32_t>(q);  // worst case until counts arrive
-    r.assumed = t_assumed_[k];
+    r.assumed = r.next_assumed;
     // The first pack at which key + s + 1 > nb * bs (modulo 2^32: check_deadlines).
     deadline_[i] = static_cast<uint32_t>(deadline(r));
   }
@@ -551,10 +528,10 @@ void StepPacker::commit(const StepInput& in) {
   // and new requests take their rows.
   for (size_t k = 0; k < moved_.size(); ++k) {
     const int32_t j = moved_[k];
-    if (j < p && !has(j, kClaimed)) index_.erase(ids_[j], hash_prev_[k]);
+    if (j < p && !bit(claimed_bits_, j)) index_.erase(ids_[j], hash_prev_[k]);
   }
   for (int64_t j = n; j < p; ++j)
-    if (!has(j, kClaimed)) index_.erase(ids_[j]);
+    if (!bit(claimed_bits_, j)) index_.erase(ids_[j]);
   for (size_t k = 0; k < moved_.size(); ++k) {
     const int32_t i = moved_[k];
     index_.assign(in.req_ids[i], hash_curr_[k], i);
@@ -571,10 +548,11 @@ int64_t StepPacker::pack(const StepInput& in, int32_t* out, int64_t capacity, in
   if (n > cfg_.max_num_reqs)
     fail("req_ids: " + std::to_string(n) + " rows exceed max_num_reqs = " +
          std::to_string(cfg_.max_num_reqs));
-  if (++stamp_ == 0) {  // wrapped: old stamps could look current
-    for (RowState& row : rows_) row.stamp = 0;
-    stamp_ = 1;
-  }
+  // This pack's bitmaps, cleared up to the rows it reads (< max(n, prev_n)); a failed
+  // pack's bits above that are cleared by the first pack that reads them.
+  words_ = static_cast<size_t>((std::max(n, prev_n_) + 63) >> 6);
+  for (auto* b : {&new_bits_, &app_bits_, &rw_bits_, &claimed_bits_, &touch_bits_})
+    std::fill_n(b->begin(), words_, 0);
   // The rows and request ids this pack will look up lie anywhere in the packer's state, which
   // the scheduler's work since the last step has likely evicted: start loading them all
   // at once, so that their cache misses overlap (they cost ~0.1 us each one after another).
@@ -586,7 +564,7 @@ int64_t StepPacker::pack(const StepInput& in, int32_t* out, int64_t capacity, in
   validate_appends(in);
   validate_rewrites(in);
   collect_touched(in);
-  compute_touched(in);
+  compute_carried(in);
   const int64_t deadline_visits = check_deadlines(in);
 
   // Listed rows: those whose request is new or moved, or that get blocks or a new list. With
@@ -595,7 +573,7 @@ int64_t StepPacker::pack(const StepInput& in, int32_t* out, int64_t capacity, in
   if (cfg_.q > 1 && !list_every_row) {
     listed_.clear();
     for (int32_t i : touched_)
-      if (rows_[i].src != i || has(i, kNew | kAppended | kRewritten)) listed_.push_back(i);
+      if (rows_[i].src != i || has_record(i)) listed_.push_back(i);
     listed = &listed_;
   }
   const int64_t c = list_every_row ? n : static_cast<int64_t>(listed->size());

@@ -83,7 +83,7 @@ class StepPacker {
   void validate_appends(const StepInput& in);
   void validate_rewrites(const StepInput& in);
   void collect_touched(const StepInput& in);
-  void compute_touched(const StepInput& in);
+  void compute_carried(const StepInput& in);
   int64_t check_deadlines(const StepInput& in);
   void write_record(const StepInput& in, int32_t* out, int32_t seq,
                     const std::vector<int32_t>& listed);
@@ -102,33 +102,36 @@ class StepPacker {
     // set (-1: exact). nb: its block count.
     int64_t key = 0;
     int32_t nb = 0, adv = 0, assumed = -1;
-    // Per-pack scratch, valid while stamp == stamp_ (no O(N) clears): flags (kNew ...),
-    // rec (a new row: its index in new_rows; once written, its record), apps (blocks
-    // appended), remap (the previous row of a moved request, or -1), src (the previous
-    // row of a touched row, -1 if new), rw (its index in rewrite_rows).
-    uint32_t stamp = 0, flags = 0;
+    // Per-pack scratch, valid while the row's bit in the matching bitmap is set (the bitmaps
+    // are cleared at each pack, one word per 64 rows: no per-row clears): rec (a new row:
+    // its index in new_rows; once written, its record), apps (blocks appended), remap (the
+    // previous row of a moved request, or -1), src (the previous row of a touched row, -1 if
+    // new), rw (its index in rewrite_rows), next_* (a touched row's state after this pack,
+    // copied into the mirror by commit).
     int32_t rec = 0, apps = 0, remap = 0, src = 0, rw = 0;
+    int32_t next_nb = 0, next_assumed = -1;
+    int64_t next_key = 0;
   };
-  enum : uint32_t { kNew = 1, kAppended = 2, kClaimed = 4, kTouched = 8, kRewritten = 16 };
-  bool has(int64_t row, uint32_t flag) const {
-    const RowState& r = rows_[static_cast<size_t>(row)];
-    return r.stamp == stamp_ && (r.flags & flag);
+  static_assert(sizeof(RowState) == 64, "a row's state is one cache line");
+  // Row `row`'s bit in one of the per-pack bitmaps (new_bits_ ...).
+  static bool bit(const std::vector<uint64_t>& bits, int64_t row) {
+    return bits[static_cast<size_t>(row) >> 6] >> (row & 63) & 1;
   }
-  void mark(int64_t row, uint32_t flag) {
-    RowState& r = rows_[static_cast<size_t>(row)];
-    if (r.stamp != stamp_) {
-      r.stamp = stamp_;
-      r.flags = 0;
-    }
-    r.flags |= flag;
+  static void set_bit(std::vector<uint64_t>& bits, int64_t row) {
+    bits[static_cast<size_t>(row) >> 6] |= uint64_t{1} << (row & 63);
   }
   bool same_request(const StepInput& in, int64_t i) const {
     return i < prev_n_ && in.req_ids[i] == ids_[static_cast<size_t>(i)];
   }
-  bool is_new(int64_t row) const { return has(row, kNew); }
-  int32_t apps(int64_t row) const { return has(row, kAppended) ? rows_[row].apps : 0; }
+  bool is_new(int64_t row) const { return bit(new_bits_, row); }
+  int32_t apps(int64_t row) const { return bit(app_bits_, row) ? rows_[row].apps : 0; }
   // Row's index in rewrite_rows this pack, or -1.
-  int32_t rewrite_of(int64_t row) const { return has(row, kRewritten) ? rows_[row].rw : -1; }
+  int32_t rewrite_of(int64_t row) const { return bit(rw_bits_, row) ? rows_[row].rw : -1; }
+  // A row has a record when it is new, appended to or rewritten.
+  bool has_record(int64_t row) const {
+    const size_t w = static_cast<size_t>(row) >> 6;
+    return (new_bits_[w] | app_bits_[w] | rw_bits_[w]) >> (row & 63) & 1;
+  }
   int64_t deadline(const RowState& r) const { return r.nb * cfg_.block_size - r.key; }
 
   PackerConfig cfg_;
@@ -144,16 +147,15 @@ class StepPacker {
   // a pack finds the rows whose deadline is now with one vector compare per 8 rows.
   std::vector<uint32_t> deadline_;
 
-  uint32_t stamp_ = 0;
   std::vector<int32_t> moved_, app_rows_, app_cursor_, touched_, listed_;
   // hash_id of moved_[k]'s request id in this step and in the previous one (k < moved_.size();
   // the latter only for rows of the previous step).
   std::vector<uint64_t> hash_curr_, hash_prev_;
-  // q = 1: one bit per touched row of the last pack (rows up to touch_hi_), cleared by the next.
-  std::vector<uint64_t> touch_bits_;
-  int32_t touch_hi_ = -1;
-  std::vector<int64_t> t_key_;        // per touched row (touched_ order): its next state
-  std::vector<int32_t> t_nb_, t_assumed_;
+  // [(max_num_reqs + 63) / 64] one bit per row, cleared at each pack up to max(N, previous N):
+  // new rows, appended rows, rewritten rows, rows of the previous step claimed by a moved
+  // request, and touched rows (the rows whose mirror this pack rewrites).
+  std::vector<uint64_t> new_bits_, app_bits_, rw_bits_, claimed_bits_, touch_bits_;
+  size_t words_ = 0;  // bitmap words this pack uses: (max(n, prev_n) + 63) / 64
   int64_t rows_visited_ = 0;
 };
 
