@@ -139,7 +139,7 @@ class MetadataBackend:
         self._check_owner()
         if type(min_padded_size) is not int or min_padded_size:  # 0: the plain step
             self.check_min_padded_size(min_padded_size)
-        return self._stage(step, min_padded_size)
+        return self._stage(step, self.plan(step.num_reqs, min_padded_size))
 
     def _check_owner(self) -> None:
         """RuntimeError unless these buffers are still this backend's (``_take_over``)."""
@@ -148,7 +148,8 @@ class MetadataBackend:
                                f"({type(self.buffers.owner).__name__}) has taken these buffers "
                                f"over; build a new backend to use them again")
 
-    def _stage(self, step: DecodeStep, min_padded_size: int = 0) -> StepPlan:
+    def _stage(self, step: DecodeStep, plan: StepPlan) -> StepPlan:
+        """``stage`` after its checks, with the step's plan (``plan(N, min_padded_size)``)."""
         raise NotImplementedError
 
     def build(self, padded_size: int) -> None:

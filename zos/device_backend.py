@@ -190,8 +190,7 @@ class DeviceMetadataBackend(MetadataBackend):
         if self._order is not None:
             self._order.stream = stream
 
-    def _stage(self, step: DecodeStep, min_padded_size: int = 0,
-               graph_exec: int = 0) -> StepPlan:
+    def _stage(self, step: DecodeStep, plan: StepPlan, graph_exec: int = 0) -> StepPlan:
         """Pack ``step`` into the next ring slot (or copy its record into ``buffers.staging``).
 
         "mapped": the slot is taken once the done word shows that the build of the record it
@@ -207,7 +206,6 @@ class DeviceMetadataBackend(MetadataBackend):
         finds a record staged and never built (the packer is then reset: the next step must
         be all new rows).
         """
-        plan = self.plan(step.num_reqs, min_padded_size)
         if plan.padded_size == 0:  # no build reads it: keep the SEQ chain for the next one
             self.packer.pack_step(step, self._discard)
             self.last_upload_bytes = 0
@@ -239,10 +237,11 @@ class DeviceMetadataBackend(MetadataBackend):
         (``BuildOrder.eager_on_stream``), the stage and the graph's launch are one native
         call. Raises as ``stage`` and ``build``."""
         self._check_owner()
-        graph_exec = self._graph_execs.get(self.plan(step.num_reqs).padded_size, 0)
+        plan = self.plan(step.num_reqs)
+        graph_exec = self._graph_execs.get(plan.padded_size, 0)
         if graph_exec and not self._order.eager_on_stream():
             graph_exec = 0
-        plan = self._stage(step, 0, graph_exec)
+        self._stage(step, plan, graph_exec)
         if graph_exec:
             self._built = self._seq
         else:

@@ -202,7 +202,7 @@ class HostMetadataBackend(MetadataBackend):
         self._np.update(sampled=self._sampled.numpy(), bt_compact=self._bt_compact.numpy())
         self._take_over()
 
-    def _stage(self, step: DecodeStep, min_padded_size: int = 0) -> StepPlan:
+    def _stage(self, step: DecodeStep, plan: StepPlan) -> StepPlan:
         """Pack, rebuild on the host and enqueue the copies of rows [0, bucket)."""
         b, h, q = self.buffers, self._h, self.buffers.uniform_decode_query_len
         if self._fence is not None:
@@ -214,7 +214,6 @@ class HostMetadataBackend(MetadataBackend):
             self.accepted_wait_seconds += time.perf_counter() - t0
             self.packer.apply_accepted(self._accepted_np[:prev], 0)
         self.packer.pack_step(step, self._record)
-        plan = self.plan(step.num_reqs, min_padded_size)
         if prev and not self.input_ids_from_device:
             self._sampled[:prev].copy_(b.sampled[:prev])  # synchronous read-back
         t, r = plan.padded_size, plan.padded_size // b.uniform_decode_query_len
