@@ -358,8 +358,11 @@ void StepPacker::collect_touched(const StepInput& in) {
   touched_.clear();
   const size_t full = static_cast<size_t>(in.n) >> 6;
   for (size_t w = 0; w < words_; ++w) {
-    uint64_t t = touch_bits_[w] | new_bits_[w] | app_bits_[w] | rw_bits_[w];
-    if (cfg_.q > 1) t = w < full ? ~uint64_t{0} : w == full ? (uint64_t{1} << (in.n & 63)) - 1 : 0;
+    uint64_t t;
+    if (cfg_.q > 1)  // every row < n
+      t = w < full ? ~uint64_t{0} : w == full ? (uint64_t{1} << (in.n & 63)) - 1 : 0;
+    else
+      t = touch_bits_[w] | new_bits_[w] | app_bits_[w] | rw_bits_[w];
     touch_bits_[w] = t;
     for (; t; t &= t - 1) touched_.push_back(static_cast<int32_t>(w * 64 + __builtin_ctzll(t)));
   }

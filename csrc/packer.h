@@ -112,7 +112,7 @@ class StepPacker {
     int32_t next_nb = 0, next_assumed = -1;
     int64_t next_key = 0;
   };
-  static_assert(sizeof(RowState) == 64, "a row's state is one cache line");
+  static_assert(sizeof(RowState) == 64, "RowState grew past one cache line");
   // Row `row`'s bit in one of the per-pack bitmaps (new_bits_ ...).
   static bool bit(const std::vector<uint64_t>& bits, int64_t row) {
     return bits[static_cast<size_t>(row) >> 6] >> (row & 63) & 1;
