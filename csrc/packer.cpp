@@ -188,15 +188,13 @@ void StepPacker::find_changed(const StepInput& in) {
   const int64_t* prev = ids_.data();
   // 64 rows at a time: a mask of the rows whose id changed, then one iteration per changed
   // row (a changed row lies anywhere, so a branch per row would mispredict).
-  moved_.resize(static_cast<size_t>(n));
-  int32_t* moved = moved_.data();
-  int64_t count = 0;
+  // moved_ has capacity max_num_reqs (constructor): no allocation, no fill.
+  moved_.clear();
   for (int64_t i0 = 0; i0 < common; i0 += 64)
     for (uint64_t m = differ_mask(curr + i0, prev + i0, std::min<int64_t>(64, common - i0)); m;
          m &= m - 1)
-      moved[count++] = static_cast<int32_t>(i0 + __builtin_ctzll(m));
-  for (int64_t i = common; i < n; ++i) moved[count++] = static_cast<int32_t>(i);
-  moved_.resize(static_cast<size_t>(count));
+      moved_.push_back(static_cast<int32_t>(i0 + __builtin_ctzll(m)));
+  for (int64_t i = common; i < n; ++i) moved_.push_back(static_cast<int32_t>(i));
   // Found above: their lookups (and the erases and inserts in commit) follow, each with the
   // id's hash computed here once.
   hash_curr_.resize(moved_.size());
