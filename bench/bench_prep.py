@@ -26,6 +26,9 @@ synchronize (a model-step stand-in): ``gpu_busy`` launches a one-program Triton 
 spins on the GPU's ``%globaltimer`` (nanoseconds, independent of the SM clock) until G us
 have passed. CUDA only.
 
+The JSON's meta records ``python_loop_ms`` (:func:`python_loop_ms`, before and after the run): the
+host's speed, which on a shared machine moves between runs and with it every host figure.
+
 Usage: python bench/bench_prep.py [--sizes 1,8,64,256,512,1024] [--out bench/results]
 """
 from __future__ import annotations
@@ -154,6 +157,16 @@ def bench_one(variant, steps, wl, device, buckets, warmup, timed, profiled, gap_
     return row, backend
 
 
+def python_loop_ms(iterations: int = 1_000_000) -> float:
+    """Milliseconds of a fixed pure-Python loop (no memory beyond a few objects): the host CPU's
+    speed at that moment. On the H200's host it varies by about a third between processes
+    started a minute apart on the same core, which moves every host figure with it."""
+    t0, x = time.perf_counter_ns(), 0
+    for i in range(iterations):
+        x += i
+    return (time.perf_counter_ns() - t0) / 1e6
+
+
 def main(argv=None):
     """Benchmark every size and context, print the table, write the JSON with ``--out``."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -181,6 +194,7 @@ def main(argv=None):
         ap.error("--gap-us needs a GPU (the busy kernel reads the GPU's %globaltimer)")
     buckets = vllm_policy(1024)
     rows, failures = [], []
+    probe_start = python_loop_ms()
     for ctx in [int(c) for c in args.contexts.split(",")]:
         for n in [int(x) for x in args.sizes.split(",")]:
             wl = SteadyWorkload(n, max_context=ctx, seed=n)
@@ -202,11 +216,15 @@ def main(argv=None):
                         first = lockstep(v, workload_steps(n, ctx, count), wl, device, buckets)
                         failures.append(f"  lockstep: {first}")
             del backends
+    probe_end = python_loop_ms()
     print_table(rows)
+    print(f"host speed probe (a 1M-iteration Python loop): {probe_start:.0f} ms before the run, "
+          f"{probe_end:.0f} ms after")
     if args.out:
         name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
         today = dt.date.today().isoformat()
         meta = dict(gpu=name, date=today, torch=torch.__version__,
+                    python_loop_ms=dict(start=probe_start, end=probe_end),
                     triton=__import__("triton").__version__, replace_fraction=0.05,
                     buckets="vllm_policy(1024)", steps=args.steps, warmup=args.warmup,
                     gap_us=args.gap_us, gap_kernel="gpu_busy: Triton %globaltimer spin",

@@ -142,6 +142,9 @@ class DeviceMetadataBackend(MetadataBackend):
                                    state=self._prep)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._graph_execs: dict[int, int] = {}  # padded size -> its graph's cudaGraphExec_t
+        # N -> (plan, prep graph's cudaGraphExec_t or 0, metadata): ``prepare``'s one lookup,
+        # filled by the first step of N rows that passed.
+        self._per_num_reqs: dict[int, tuple[StepPlan, int, StepMetadata]] = {}
         self._take_over()
         if capture_prep and cuda and buckets is not None:
             self._capture(buckets)
@@ -235,18 +238,26 @@ class DeviceMetadataBackend(MetadataBackend):
         """``stage(step)``, ``build(plan.padded_size)``, ``metadata(plan)``. When the step's
         padded size has a prep graph and a build now would run eagerly on ``self.stream``
         (``BuildOrder.eager_on_stream``), the stage and the graph's launch are one native
-        call. Raises as ``stage`` and ``build``."""
-        self._check_owner()
-        plan = self.plan(step.num_reqs)
-        graph_exec = self._graph_execs.get(plan.padded_size, 0)
-        if graph_exec and not self._order.eager_on_stream():
-            graph_exec = 0
-        self._stage(step, plan, graph_exec)
-        if graph_exec:
+        call. What depends on N alone (the plan, the prep graph, the views) is looked up once
+        per step. Raises as ``stage`` and ``build``."""
+        if self.buffers.owner is not self:
+            raise self._not_owner()
+        n = len(step.req_ids)
+        per_n = self._per_num_reqs.get(n)
+        if per_n is None:
+            plan = self.plan(n)
+            per_n = (plan, self._graph_execs.get(plan.padded_size, 0), None)
+        plan, graph_exec, md = per_n
+        if graph_exec and self._order.eager_on_stream():
+            self._stage(step, plan, graph_exec)
             self._built = self._seq
         else:
+            self._stage(step, plan)
             self.build(plan.padded_size)
-        return self.metadata(plan)
+        if md is None:  # the first step of N rows, staged: its views are made once
+            md = self.metadata(plan)
+            self._per_num_reqs[n] = (plan, graph_exec, md)
+        return md
 
     @property
     def prep_graphs(self) -> dict[int, torch.cuda.CUDAGraph]:
