@@ -159,8 +159,9 @@ def bench_one(variant, steps, wl, device, buckets, warmup, timed, profiled, gap_
 
 def python_loop_ms(iterations: int = 1_000_000) -> float:
     """Milliseconds of a fixed pure-Python loop (no memory beyond a few objects): the host CPU's
-    speed at that moment. On the H200's host it varies by about a third between processes
-    started a minute apart on the same core, which moves every host figure with it."""
+    speed at that moment. On the H200's host it has moved by a third to two thirds, between
+    processes started a minute apart on the same core and within one run, and every host figure
+    with it."""
     t0, x = time.perf_counter_ns(), 0
     for i in range(iterations):
         x += i

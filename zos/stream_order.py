@@ -86,7 +86,6 @@ class BuildOrder:
         # ``built`` keeps its last record: the next stage, on the new stream, waits for it.
         self._stream = stream
         self._device = stream.device_index
-        self._stream_id = stream.stream_id
         raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
         capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None)
         if self._cuda is torch.cuda and raw is not None and capturing is not None:
@@ -96,7 +95,7 @@ class BuildOrder:
             device, handle = self._device, stream.cuda_stream
             self._eager = lambda: raw(device) == handle and not capturing()
         else:
-            cuda, device, stream_id = self._cuda, self._device, self._stream_id
+            cuda, device, stream_id = self._cuda, self._device, stream.stream_id
             self._eager = lambda: (cuda.current_stream(device).stream_id == stream_id
                                    and not cuda.is_current_stream_capturing())
 
