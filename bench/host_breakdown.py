@@ -84,7 +84,7 @@ def med_us(fn, between=None, reps=600, sync_every=0):
 
 def acquire_once(ring, stream_handle):
     """One step's slot work alone on a native ``MappedRing`` whose slots are free: read the
-    done word, take the slot (as ``StepPacker.stage_into_ring`` does around the pack)."""
+    done word, take the slot (as ``StepPacker.stage_call``'s function does around the pack)."""
     ring.acquire(stream_handle)
     ring.commit()
 

@@ -4,6 +4,8 @@
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
+#include <climits>
+#include <memory>
 #include <string>
 
 #include "packer.h"
@@ -190,44 +192,151 @@ int64_t pack_step(zos::StepPacker& self, const py::handle& step, const py::handl
   return pack_checked(self, check_step_object(step), out_obj, seq);
 }
 
-// A graph to launch needs its device (checked before anything is written or enqueued).
-void check_launch(uint64_t graph_exec, int64_t device) {
-  if (graph_exec && device < 0)
-    throw py::value_error("device must be >= 0 when graph_exec is given, got " +
-                          std::to_string(device));
+// The device backend's per-step call (StepPacker.stage_call): stage(step, seq[, graph_exec]),
+// bound once to a packer, the MappedRing or PinnedUpload its records go to, the stage's stream
+// and the device. A plain CPython function called by vectorcall (arguments as an array, no
+// tuple, no pybind11 dispatch: about 1 us less per step on the H200's host than a bound
+// method with the six arguments, cold after the scheduler). Its self is a capsule of this.
+struct StageCall {
+  zos::StepPacker* packer = nullptr;
+  zos::MappedRing* ring = nullptr;      // records go into the ring's slots, or
+  zos::PinnedUpload* upload = nullptr;  // into the upload's pinned buffers, then copied
+  uint64_t stream = 0;
+  int64_t device = 0;
+  // The packer and the ring (upload) objects, alive while the call is. A PinnedUpload's pinned
+  // buffers and its destination are the backend's tensors: the call must not outlive them.
+  py::object keep[2];
+};
+constexpr const char* kStageCallName = "zos._C.StageCall";
+
+// One stage, without the GIL: refused (RuntimeError, nothing done) while the stream is
+// capturing a CUDA graph: a stage is host work outside any graph (docs/ZOS.md, "The runner
+// contract"), and its fences, copy or launch would be captured instead of done. Else the next
+// slot (after the build of the record it holds has finished) or pinned buffer (after its
+// copy), the pack, on the copy path the copy, with a graph_exec the prep graph's launch, on the
+// ring the slot's commit. On a throw from the packer nothing was written where the device
+// reads and no slot committed; on a device error (a slot whose record no build read, a failed
+// copy or launch) the packer is reset, since the device may not get this step: the next
+// step's rows must all be new.
+int64_t stage_step(const StageCall& s, const zos::StepInput& in, int32_t seq,
+                   uint64_t graph_exec) {
+  if (zos::stream_capturing(s.stream, s.device))
+    throw std::runtime_error(
+        "stage: the backend's stream is capturing a CUDA graph; a stage is host work outside "
+        "any graph (capture build, and stage before each replay)");
+  try {  // the packer throws std::invalid_argument, the driver and the ring std::runtime_error
+    if (s.ring != nullptr) {
+      zos::MappedRing& ring = *s.ring;
+      const int slot = ring.acquire(s.stream);
+      int32_t* out = reinterpret_cast<int32_t*>(ring.host_ptr()) + slot * ring.slot_words();
+      const int64_t words = s.packer->pack(in, out, ring.slot_words(), seq);
+      if (graph_exec) zos::launch_graph(graph_exec, s.stream, s.device);
+      ring.commit();
+      return words;
+    }
+    zos::PinnedUpload& up = *s.upload;
+    const int k = up.acquire();
+    const int64_t words = s.packer->pack(in, up.host_buffer(k), up.capacity() / 4, seq);
+    up.submit(k, 4 * words, s.stream);
+    if (graph_exec) zos::launch_graph(graph_exec, s.stream, s.device);
+    return words;
+  } catch (const std::runtime_error&) {
+    s.packer->reset();
+    throw;
+  }
 }
 
-// One call per step on the mapped path: acquire the next ring slot, pack into it, with a
-// graph_exec launch the step's prep graph on `stream` (its build), commit the slot. On a throw
-// from the packer or the launch the slot is not committed: the next stage takes it again, with
-// the same SEQ (the device never saw this one).
-int64_t stage_into_ring(zos::StepPacker& self, zos::MappedRing& ring, uint64_t stream,
-                        int32_t seq, const py::handle& step, uint64_t graph_exec,
-                        int64_t device) {
-  check_launch(graph_exec, device);
-  const CheckedStep c = check_step_object(step);
-  py::gil_scoped_release release;
-  const int slot = ring.acquire(stream);
-  int32_t* out = reinterpret_cast<int32_t*>(ring.host_ptr()) + slot * ring.slot_words();
-  const int64_t words = self.pack(c.in, out, ring.slot_words(), seq);
-  if (graph_exec) zos::launch_graph(graph_exec, stream, device);
-  ring.commit();
-  return words;
+// An int argument of the stage call in [lo, hi], else TypeError/ValueError naming it.
+int64_t int_arg(PyObject* obj, const char* field, int64_t lo, int64_t hi) {
+  if (!PyLong_Check(obj) || PyBool_Check(obj))
+    throw py::type_error(std::string(field) + " must be an int, got " +
+                         Py_TYPE(obj)->tp_name);
+  int overflow = 0;
+  const long long v = PyLong_AsLongLongAndOverflow(obj, &overflow);
+  if (overflow || v < lo || v > hi)
+    throw py::value_error(std::string(field) + " must be in [" + std::to_string(lo) + ", " +
+                          std::to_string(hi) + "], got " + std::string(py::str(obj)));
+  return v;
 }
 
-// One call per step on the copy path: wait for the next pinned buffer's previous copy, pack
-// into it, enqueue its H2D copy and fence, and with a graph_exec launch the step's prep graph
-// after it on `stream`. On a throw from the packer nothing is enqueued.
-int64_t stage_upload(zos::StepPacker& self, zos::PinnedUpload& up, uint64_t stream,
-                     int32_t seq, const py::handle& step, uint64_t graph_exec, int64_t device) {
-  check_launch(graph_exec, device);
-  const CheckedStep c = check_step_object(step);
-  py::gil_scoped_release release;
-  const int k = up.acquire();
-  const int64_t words = self.pack(c.in, up.host_buffer(k), up.capacity() / 4, seq);
-  up.submit(k, 4 * words, stream);
-  if (graph_exec) zos::launch_graph(graph_exec, stream, device);
-  return words;
+// The exception in flight as a Python error, as pybind11's default translator does.
+void set_python_error() {
+  try {
+    throw;
+  } catch (py::error_already_set& e) {
+    e.restore();
+  } catch (const py::builtin_exception& e) {
+    e.set_error();
+  } catch (const std::bad_alloc&) {
+    PyErr_NoMemory();
+  } catch (const std::out_of_range& e) {
+    PyErr_SetString(PyExc_IndexError, e.what());
+  } catch (const std::overflow_error& e) {
+    PyErr_SetString(PyExc_OverflowError, e.what());
+  } catch (const std::logic_error& e) {  // invalid_argument, length_error, domain_error
+    PyErr_SetString(PyExc_ValueError, e.what());
+  } catch (const std::range_error& e) {
+    PyErr_SetString(PyExc_ValueError, e.what());
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+  } catch (...) {
+    PyErr_SetString(PyExc_RuntimeError, "zos._C: unknown C++ exception");
+  }
+}
+
+PyObject* stage_call(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+  try {
+    const auto* s = static_cast<const StageCall*>(PyCapsule_GetPointer(self, kStageCallName));
+    if (nargs != 2 && nargs != 3)
+      throw py::type_error("stage(step, seq, graph_exec=0, /) takes 2 or 3 arguments, got " +
+                           std::to_string(nargs));
+    const auto seq = static_cast<int32_t>(int_arg(args[1], "seq", 0, zos::staging::kSeqMask));
+    const auto graph_exec =
+        static_cast<uint64_t>(nargs == 3 ? int_arg(args[2], "graph_exec", 0, INT64_MAX) : 0);
+    const CheckedStep c = check_step_object(args[0]);
+    int64_t words;
+    {
+      py::gil_scoped_release release;
+      words = stage_step(*s, c.in, seq, graph_exec);
+    }
+    return PyLong_FromLongLong(words);
+  } catch (...) {
+    set_python_error();
+    return nullptr;
+  }
+}
+
+PyMethodDef stage_call_def = {
+    "stage", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(&stage_call)),
+    METH_FASTCALL,
+    "stage(step, seq, graph_exec=0, /) -> words (see StepPacker.stage_call)."};
+
+py::object make_stage_call(py::object packer, py::object sink, uint64_t stream,
+                           int64_t device) {
+  if (device < 0)
+    throw py::value_error("device must be >= 0, got " + std::to_string(device));
+  auto s = std::make_unique<StageCall>();
+  s->packer = &packer.cast<zos::StepPacker&>();
+  if (py::isinstance<zos::MappedRing>(sink))
+    s->ring = &sink.cast<zos::MappedRing&>();
+  else if (py::isinstance<zos::PinnedUpload>(sink))
+    s->upload = &sink.cast<zos::PinnedUpload&>();
+  else
+    throw py::type_error("sink must be a zos._C.MappedRing or zos._C.PinnedUpload, got " +
+                         std::string(py::str(py::type::of(sink))));
+  s->stream = stream;
+  s->device = device;
+  s->keep[0] = std::move(packer);
+  s->keep[1] = std::move(sink);
+  PyObject* cap = PyCapsule_New(s.get(), kStageCallName, [](PyObject* c) {
+    delete static_cast<StageCall*>(PyCapsule_GetPointer(c, kStageCallName));
+  });
+  if (cap == nullptr) throw py::error_already_set();
+  s.release();  // owned by the capsule now
+  auto capsule = py::reinterpret_steal<py::object>(cap);
+  PyObject* fn = PyCFunction_NewEx(&stage_call_def, capsule.ptr(), nullptr);
+  if (fn == nullptr) throw py::error_already_set();
+  return py::reinterpret_steal<py::object>(fn);
 }
 
 void apply_accepted(zos::StepPacker& self, const py::handle& accepted, int64_t steps_ago) {
@@ -340,26 +449,32 @@ max_num_reqs rows, record larger than ``out``); TypeError on wrong dtypes.)doc")
            R"doc(``pack`` of a :class:`zos.DecodeStep` (its arrays read by attribute name, the
 rewritten rows included): the same checks, record and errors, and a TypeError naming the
 missing attribute when ``step`` is not a DecodeStep.)doc")
-      .def("stage_into_ring", &stage_into_ring, py::arg("ring"), py::arg("stream"),
-           py::arg("seq"), py::arg("step"), py::arg("graph_exec") = 0, py::arg("device") = -1,
-           R"doc(``pack_step`` into the next slot of a :class:`MappedRing`, in one call (no GIL).
+      .def("stage_call", &make_stage_call, py::arg("sink"), py::arg("stream"),
+           py::arg("device"),
+           R"doc(The per-step stage of the device backend, bound to this packer, ``sink`` (a
+:class:`MappedRing` or :class:`PinnedUpload`), ``stream`` (a ``cudaStream_t`` as an int, on
+which the copy, the fences and the launch are enqueued) and ``device`` (the CUDA ordinal,
+>= 0: ValueError otherwise; TypeError for another ``sink``). Returns a function
+``stage(step, seq, graph_exec=0, /) -> int`` (positional arguments only), called without
+pybind11's dispatch, which does in
+one call without the GIL (``graph_exec``: a ``cudaGraphExec_t`` of the prep graph, or 0):
 
-``ring.acquire(stream)`` (wait until the build of the record in the next slot has finished),
-``pack`` into that slot with ``seq``, with ``graph_exec`` (a ``cudaGraphExec_t`` of the prep
-graph, non-zero) ``launch_graph(graph_exec, stream, device)`` (stage and build in one call),
-``ring.commit()``. Returns the record's words. Raises ValueError for a ``graph_exec`` without a
-``device`` >= 0 (before anything), as ``pack`` (the slot is then neither written nor
-committed, nothing launched), as ``MappedRing.acquire``, and as ``launch_graph`` (the slot is
-then written, with the packer's mirror, but not committed: reset the packer).)doc")
-      .def("stage_upload", &stage_upload, py::arg("upload"), py::arg("stream"),
-           py::arg("seq"), py::arg("step"), py::arg("graph_exec") = 0, py::arg("device") = -1,
-           R"doc(``pack_step`` into the next pinned buffer of a :class:`PinnedUpload` and enqueue
-its H2D copy on ``stream``, in one call (no GIL): ``upload.acquire()`` (wait for that
-buffer's previous copy), ``pack`` with ``seq``, ``upload.submit``; with ``graph_exec``
-(non-zero) also ``launch_graph(graph_exec, stream, device)`` after the copy. Returns the
-record's words. Raises ValueError for a ``graph_exec`` without a ``device`` >= 0 (before
-anything), as ``pack`` (nothing is then enqueued) and as ``launch_graph`` (the copy is then
-enqueued, the packer's mirror updated: reset the packer).)doc")
+- on a ring: ``acquire(stream)`` (wait until the build of the record in the next slot has
+  finished), ``pack_step`` into that slot with SEQ ``seq``, with ``graph_exec``
+  ``launch_graph(graph_exec, stream, device)``, ``commit()``;
+- on an upload: ``acquire()`` (wait for that buffer's previous copy), ``pack_step`` with
+  ``seq``, ``submit`` (the H2D copy and its fence), with ``graph_exec`` the launch after it;
+
+and returns the record's words. Raises, before anything: TypeError/ValueError for ``seq`` not
+an int in [0, SEQ_MASK] (``zos._C.staging``) or ``graph_exec`` not an int in [0, 2^63);
+RuntimeError while ``stream``
+is capturing a CUDA graph (a stage is host work outside any graph; the legacy default stream,
+0, cannot capture and is not asked); as ``pack_step`` (no slot or buffer is then written
+where the device reads, none committed, nothing enqueued or launched). RuntimeError on a
+device error (``MappedRing.acquire`` finding a record no build read, a failed copy or
+launch): the packer is then reset, since the device may not get this step (the next step's
+rows must all be new). The function keeps the packer and ``sink`` alive, not what a
+``PinnedUpload`` copies from and to: it must not outlive those buffers.)doc")
       .def("apply_accepted", &apply_accepted, py::arg("accepted"), py::arg("steps_ago"),
            R"doc(Exact accepted counts of an earlier step (speculative decoding, q > 1).
 

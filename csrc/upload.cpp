@@ -34,6 +34,7 @@ struct Driver {
   CUresult (*primary_ctx_retain)(void**, int);
   CUresult (*primary_ctx_release)(int);
   CUresult (*graph_launch)(void*, void*);
+  CUresult (*stream_is_capturing)(void*, int*);
 };
 
 const Driver& driver() {
@@ -69,6 +70,8 @@ const Driver& driver() {
     r.primary_ctx_release =
         reinterpret_cast<decltype(r.primary_ctx_release)>(sym("cuDevicePrimaryCtxRelease_v2"));
     r.graph_launch = reinterpret_cast<decltype(r.graph_launch)>(sym("cuGraphLaunch"));
+    r.stream_is_capturing =
+        reinterpret_cast<decltype(r.stream_is_capturing)>(sym("cuStreamIsCapturing"));
     return r;
   }();
   return d;
@@ -321,24 +324,38 @@ void MappedRing::synchronize() {
   if (!applied(newest, newest)) wait_applied(newest, newest, last_stream_);
 }
 
-void launch_graph(uint64_t graph_exec, uint64_t stream, int64_t device) {
+namespace {
+
+// Device `device`'s primary context, retained on first use and kept for good.
+void* primary_context(int64_t device, const char* who) {
   static std::mutex mu;
-  static std::vector<void*> primary;  // device -> its primary context, retained for good
-  void* ctx = nullptr;
-  {
-    std::lock_guard<std::mutex> lock(mu);
-    if (device < 0) throw std::invalid_argument("launch_graph: device must be >= 0, got " +
-                                                std::to_string(device));
-    if (primary.size() <= static_cast<size_t>(device)) primary.resize(device + 1, nullptr);
-    if (!primary[device]) {
-      int retained = -1;
-      primary[device] = context_of(device, &retained, "launch_graph");
-    }
-    ctx = primary[device];
+  static std::vector<void*> primary;  // device -> its primary context
+  std::lock_guard<std::mutex> lock(mu);
+  if (device < 0) throw std::invalid_argument(std::string(who) + ": device must be >= 0, got " +
+                                              std::to_string(device));
+  if (primary.size() <= static_cast<size_t>(device)) primary.resize(device + 1, nullptr);
+  if (!primary[device]) {
+    int retained = -1;
+    primary[device] = context_of(device, &retained, who);
   }
-  ContextScope scope(ctx);
+  return primary[device];
+}
+
+}  // namespace
+
+void launch_graph(uint64_t graph_exec, uint64_t stream, int64_t device) {
+  ContextScope scope(primary_context(device, "launch_graph"));
   check(driver().graph_launch(reinterpret_cast<void*>(graph_exec), reinterpret_cast<void*>(stream)),
         "cuGraphLaunch");
+}
+
+bool stream_capturing(uint64_t stream, int64_t device) {
+  if (stream == 0) return false;  // the legacy default stream cannot be captured
+  ContextScope scope(primary_context(device, "stream_capturing"));
+  int status = 0;  // CU_STREAM_CAPTURE_STATUS_NONE
+  check(driver().stream_is_capturing(reinterpret_cast<void*>(stream), &status),
+        "cuStreamIsCapturing");
+  return status != 0;  // active, or invalidated (a capture that failed and was not ended)
 }
 
 }  // namespace zos

@@ -145,4 +145,9 @@ class MappedRing {
 // a negative device, std::runtime_error if the driver fails (e.g. the stream is capturing).
 void launch_graph(uint64_t graph_exec, uint64_t stream, int64_t device);
 
+// Whether `stream` (a CUstream of `device`) is capturing a CUDA graph (or holds a capture
+// that was invalidated and not ended): a graph launched on it would be refused. The legacy
+// default stream (0) cannot be captured: false without a driver call. Throws as launch_graph.
+bool stream_capturing(uint64_t stream, int64_t device);
+
 }  // namespace zos

@@ -711,15 +711,17 @@ def test_build_of_a_backend_with_prep_graphs_is_capturable(staging):
 @pytest.mark.skipif(DEVICE != "cuda", reason="prep graphs need a GPU")
 @pytest.mark.parametrize("staging", ["mapped", "copy"])
 def test_prepare_launches_the_prep_graph_from_the_stage_call(staging, monkeypatch):
-    """``prepare`` of a backend with prep graphs, on its own stream: the stage's native call
-    launches the graph (``build`` is not called); on another stream it stages and builds
-    apart (the build ordered by events). Every field equals the host-built backend's after
-    every step."""
-    steps, r = 12, 64
+    """``prepare`` of a backend with prep graphs, on its own stream, once a step of N rows has
+    passed: the stage's native call launches the graph (``build`` is not called); the first
+    step of each N, and any step on another stream, stage and build apart (off the stream
+    the build is ordered by events). Every field equals the host-built backend's after every
+    step."""
+    steps, r = 24, 64
     wl, dev, host = _prep_graph_backends(staging, seed=5, rows=r)
     builds, build = [], dev.build
     monkeypatch.setattr(dev, "build", lambda size: (builds.append(size), build(size)))
     side, rng = torch.cuda.Stream(), np.random.default_rng(3)
+    seen, fused = set(), 0
     for i in range(steps):
         step = wl.next_step()
         off_stream = i % 3 == 2
@@ -727,7 +729,73 @@ def test_prepare_launches_the_prep_graph_from_the_stage_call(staging, monkeypatc
             got = dev.prepare(step)
         want = host.prepare(step)
         torch.cuda.synchronize()
-        assert builds == ([got.padded_size] if off_stream else []), i
+        apart = off_stream or step.num_reqs not in seen
+        assert builds == ([got.padded_size] if apart else []), i
+        fused += not apart
+        seen.add(step.num_reqs)
         builds.clear()
         _same_fields_then_sample(i, want, got, rng, step.num_reqs, host, dev)
     assert dev.build_order.off_stream_builds == steps // 3
+    assert fused >= 4
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="prep graphs need a GPU")
+@pytest.mark.parametrize("staging", ["mapped", "copy"])
+def test_a_taken_over_backend_refuses_its_one_call_prepare(staging):
+    """A backend whose buffers another backend has taken over refuses ``prepare`` also for an N
+    whose steps take the one native call (which would write its record and launch its prep
+    graph into the new owner's buffers): RuntimeError, every buffer of the new owner unchanged."""
+    bufs = DecodeBuffers(8, 4, 16, device="cuda")
+    kw = dict(num_kv_blocks=100, vocab_size=VOCAB, buckets=BucketTable([8]), capture_prep=True,
+              staging=staging)
+    old = DeviceMetadataBackend(bufs, **kw)
+    old.prepare(DecodeStep.build([1, 2], {0: (3, 0, [1]), 1: (4, 5, [2])}))
+    old.prepare(DecodeStep.build([1, 2]))  # N = 2 has passed: the next step is one call
+    torch.cuda.synchronize()
+    new = DeviceMetadataBackend(bufs, **kw)
+    torch.cuda.synchronize()
+    before = {k: v.clone() for k, v in vars(bufs).items() if isinstance(v, torch.Tensor)}
+    with pytest.raises(RuntimeError, match="another backend"):
+        old.prepare(DecodeStep.build([1, 2]))
+    torch.cuda.synchronize()
+    assert before and all(torch.equal(v, getattr(bufs, k)) for k, v in before.items())
+    assert new.prev_num_reqs == 0
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="stream capture needs a GPU")
+@pytest.mark.parametrize("staging", ["mapped", "copy"])
+def test_stage_and_prepare_refuse_a_capturing_backend_stream(staging):
+    """A stage is host work outside any graph: with the backend's own stream capturing, ``stage``
+    and ``prepare`` (also for an N whose steps launch the prep graph from the stage call) raise
+    before anything, the packer keeps the previous step, and after the capture the same step
+    stages and builds every field as the host-built backend does."""
+    r = 64
+    wl, dev, host = _prep_graph_backends(staging, seed=13, rows=r)
+    side, rng = torch.cuda.Stream(), np.random.default_rng(4)
+    side.wait_stream(torch.cuda.current_stream())
+    dev.stream = side
+    step = None
+    for i in range(12):
+        prev, step = step, wl.next_step()
+        if prev is not None and step.num_reqs == prev.num_reqs:
+            break  # a step whose N has passed: prepare would take its one native call
+        with torch.cuda.stream(side):
+            got = dev.prepare(step)
+        want = host.prepare(step)
+        torch.cuda.synchronize()
+        _same_fields_then_sample(i, want, got, rng, step.num_reqs, host, dev)
+    else:
+        pytest.fail("no two steps in a row with the same N")
+    before = dev.prev_num_reqs
+    assert step.num_reqs in dev._graph_steps  # prepare takes the one-call path for this N
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=side):
+        for call in (dev.stage, dev.prepare):
+            with pytest.raises(RuntimeError, match="the backend's stream is capturing"):
+                call(step)
+    assert dev.prev_num_reqs == before
+    with torch.cuda.stream(side):
+        got = dev.prepare(step)
+    want = host.prepare(step)
+    torch.cuda.synchronize()
+    _same_fields_then_sample(i, want, got, rng, step.num_reqs, host, dev)

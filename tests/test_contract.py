@@ -227,6 +227,19 @@ def test_mapped_path_build_off_the_stream_marks_its_end(capturing):
     assert log == [("record", "built", 7)] and len(joins) == 1
 
 
+def test_on_stream_asks_the_current_stream_only():
+    # ``on_stream`` (prepare's one-call path) is the current-stream half of eager_on_stream: a
+    # capture on the backend's stream is the native stage's to refuse.
+    order, cuda, _, _ = make_order()
+    assert order.on_stream() and order.eager_on_stream()
+    cuda.capturing = True
+    assert order.on_stream() and not order.eager_on_stream()
+    cuda.current, cuda.capturing = FakeStream(7), False
+    assert not order.on_stream() and not order.eager_on_stream()
+    order.stream = FakeStream(7)
+    assert order.on_stream() and order.eager_on_stream()
+
+
 def test_capture_on_the_backend_stream_still_orders_the_replay():
     # A graph captured on the backend's own stream may be replayed on any stream.
     order, cuda, log, joins = make_order()

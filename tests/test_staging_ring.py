@@ -398,8 +398,8 @@ def test_ring_arguments():
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the native ring maps memory through CUDA")
-def test_native_ring_stage_into_ring():
-    """``StepPacker.stage_into_ring`` writes the record ``pack`` writes into slot n mod K with
+def test_stage_call_into_the_native_ring():
+    """``StepPacker.stage_call``'s function writes the record ``pack`` writes into slot n mod K with
     its SEQ; a refused step neither writes nor commits a slot; a slot is taken again only
     once the done word (written here by a one-word kernel queued behind a stalled stream, as
     a build would) has reached its record's SEQ, and the host waits only when K steps ahead."""
@@ -417,6 +417,7 @@ def test_native_ring_stage_into_ring():
     p, out = packer(), np.zeros(256, np.int32)
     slots, done = ring.array(), MappedPointer(ring.done_device_ptr)
     stream = torch.cuda.current_stream().cuda_stream
+    stage = p.stage_call(ring, stream, torch.cuda.current_device())
     # Request 5 is at position 3 (block [7], 4 tokens per block): it moves to row 1 at
     # position 4 in the second step, which opens block column 1, so that step appends.
     steps = [DecodeStep.build([5, 6], {0: (1, 3, [7]), 1: (2, 0, [8])}),
@@ -426,15 +427,14 @@ def test_native_ring_stage_into_ring():
     elapsed = torch.zeros(1, dtype=torch.int64, device="cuda")
     gpu_busy(200_000, elapsed)  # 0.2 s: the "builds" queued below stay pending
     for n, step in enumerate(steps):
-        words = p.stage_into_ring(ring, stream, n + 1, step)
+        words = stage(step, n + 1)
         assert words == pack(ref, step, out)
         out[staging.SEQ] = n + 1
         assert slots[n % 2, :words].tolist() == out[:words].tolist()
         if n == 0:
             before = slots.copy()
             with pytest.raises(ValueError, match="appears twice"):
-                p.stage_into_ring(ring, stream, 9, dataclasses.replace(
-                    step, req_ids=np.array([5, 5], np.int64)))
+                stage(dataclasses.replace(step, req_ids=np.array([5, 5], np.int64)), 9)
             assert (slots == before).all()
         set_word[(1,)](done, n + 1)  # the build of record n + 1
     assert ring.waits == 1  # the third step's slot held the first record, built after 0.2 s
@@ -443,21 +443,51 @@ def test_native_ring_stage_into_ring():
     assert ring.done_seq == 3
 
 
+def test_stage_call_checks_its_binding():
+    """``stage_call`` refuses a negative device and a sink that is neither a ring nor an
+    upload, before anything (no CUDA needed to refuse)."""
+    with pytest.raises(ValueError, match="device must be >= 0, got -1"):
+        packer().stage_call(object(), 0, -1)
+    with pytest.raises(TypeError, match="sink must be a zos._C.MappedRing or "
+                                        "zos._C.PinnedUpload, got <class 'object'>"):
+        packer().stage_call(object(), 0, 0)
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="the native ring maps memory through CUDA")
-def test_stage_into_ring_with_a_graph_needs_its_device():
-    """A graph to launch without a device is refused before anything: no slot is written or
-    committed, the packer's mirror is unchanged (the same step packs afterwards)."""
+def test_stage_call_refuses_bad_arguments_and_capturing_streams_before_anything():
+    """The stage call's arguments, and that its stream is not capturing a CUDA graph, are
+    checked before anything: no slot written or committed, the packer's mirror unchanged (the
+    next step, whose carried rows only the mirror knows, stages afterwards), no graph
+    launched (a bogus graph handle shows it)."""
     from zos._C import MappedRing
 
     ring, p = MappedRing(2, 256, torch.cuda.current_device()), packer()
-    stream = torch.cuda.current_stream().cuda_stream
-    step = DecodeStep.build([5, 6], {0: (1, 3, [7]), 1: (2, 0, [8])})
+    side = torch.cuda.Stream()
+    stage = p.stage_call(ring, side.cuda_stream, torch.cuda.current_device())
+    assert stage(DecodeStep.build([5, 6], {0: (1, 3, [7]), 1: (2, 0, [8])}), 1) > 0
+    step = DecodeStep.build([6, 5], appends=[(1, 9)])  # carried rows: no payload of their own
     before = ring.array().copy()
-    with pytest.raises(ValueError, match="device must be >= 0 when graph_exec is given"):
-        p.stage_into_ring(ring, stream, 1, step, graph_exec=1, device=-1)
-    assert (ring.array() == before).all() and p.prev_num_reqs == 0
-    assert p.stage_into_ring(ring, stream, 1, step) > 0
-    assert ring.array()[0, staging.SEQ] == 1 and ring.array()[1, staging.SEQ] == 0
+    bad = [((step,), TypeError, r"stage\(step, seq, graph_exec=0, /\) takes 2 or 3 "
+                                r"arguments, got 1"),
+           ((step, "2"), TypeError, "seq must be an int, got str"),
+           ((step, True), TypeError, "seq must be an int, got bool"),
+           ((step, -1), ValueError, r"seq must be in \[0, 1073741823\], got -1"),
+           ((step, 1 << 30), ValueError, r"seq must be in \[0, 1073741823\], got 1073741824"),
+           ((step, 2, -5), ValueError, r"graph_exec must be in \[0, 9223372036854775807\], "
+                                       "got -5"),
+           ((object(), 2), TypeError, "step must be a zos.DecodeStep")]
+    for args, err, msg in bad:
+        with pytest.raises(err, match=msg):
+            stage(*args)
+    graph = torch.cuda.CUDAGraph()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.graph(graph, stream=side):
+        for exec_ in (0, 12345):
+            with pytest.raises(RuntimeError, match="stage: the backend's stream is capturing"):
+                stage(step, 2, exec_)
+    assert (ring.array() == before).all() and p.prev_num_reqs == 2 and ring.waits == 0
+    assert stage(step, 2) > 0
+    assert ring.array()[0, staging.SEQ] == 1 and ring.array()[1, staging.SEQ] == 2
 
 
 @pytest.mark.parametrize("num_slots", [1, 3])

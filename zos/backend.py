@@ -134,7 +134,10 @@ class MetadataBackend:
                 ``min_padded_size`` that is not an int in [0, max_num_reqs * q] divisible by q;
                 nothing was written to the device and the previous step is still the
                 reference.
-            RuntimeError: another backend has taken these buffers over since this one was built.
+            RuntimeError: another backend has taken these buffers over since this one was built;
+                for the device backend also (``DeviceMetadataBackend._stage``): its stream is
+                capturing a CUDA graph (before anything), or a device error (a record staged and
+                never built, a failed copy; the packer is then reset).
         """
         if self.buffers.owner is not self:
             raise self._not_owner()

@@ -24,8 +24,8 @@ STAGING_MODES = ("mapped", "copy")
 class DeviceMetadataBackend(MetadataBackend):
     """Builds each step's metadata with the prep kernels, from device state.
 
-    Per step, on the host: one native call (``StepPacker.stage_into_ring`` or
-    ``stage_upload``: C++, no GIL, the DecodeStep's arrays read by name) validates the step
+    Per step, on the host: one native call (``StepPacker.stage_call``'s function: C++, no
+    GIL, no pybind11 dispatch, the DecodeStep's arrays read by name) validates the step
     and writes the staging record, 8 + 3C + 5M + L int32 words (C listed rows: those whose
     request is new or moved, or that get blocks or a rewritten block list; M records: new
     rows, rows with appended blocks and rewritten rows; L block ids: new and rewritten rows'
@@ -33,7 +33,9 @@ class DeviceMetadataBackend(MetadataBackend):
     no word and, in plain decode on an AVX2 host, no loop iteration (its share of two vector
     compares; a last chunk of fewer than 64 rows runs a plain loop). On the device:
     ``launch_prep`` (two kernels) rebuilds every field in place. ``prepare`` with a prep
-    graph (``capture_prep=True``) launches it from the same native call.
+    graph (``capture_prep=True``) launches it from the same native call: once a step of N
+    rows has passed, a later step of N rows issued on ``stream`` costs that call and a few
+    Python operations.
 
     Where the record goes (``staging``):
 
@@ -54,7 +56,9 @@ class DeviceMetadataBackend(MetadataBackend):
 
     Streams: the stage work (the ring's fences, or the copy) is enqueued on one stream fixed
     here (``stream``; by default the current stream of the buffers' device when the backend
-    is built), whose raw handle is cached so that ``stage`` costs no stream query per step.
+    is built), whose raw handle is bound into the native stage, so that ``stage`` makes no
+    torch stream query per step (on a stream other than the legacy default one, the native
+    stage asks the driver whether it is capturing: a stage is host work outside any graph).
     ``build`` (the prep kernels or their graph) runs on the stream current at the time of the
     call. On ``stream`` (the usual case: both are the default stream) stream order is enough;
     on any other stream, or captured into a CUDA graph that a runner replays on any stream,
@@ -122,11 +126,11 @@ class DeviceMetadataBackend(MetadataBackend):
         self._seq = 0  # SEQ of the last record staged for a build
         self._built = 0  # SEQ staged when the last build was enqueued (== _seq: a repeat)
         self._prep = PrepState(buffers)
-        self._upload = self._ring = self._native_ring = None
+        self._upload = self._ring = self._native = None  # _native: the ring's or the upload's
         if staging == "mapped":
             self._ring = StagingRing(ring_slots, words, buffers.device)
             if cuda:
-                self._native_ring = self._ring.fences  # zos._C.MappedRing
+                self._native = self._ring.fences  # zos._C.MappedRing
             self._prep_args = dict(ring=self._ring.device_view, num_slots=ring_slots,
                                    slot_words=words, state=self._prep,
                                    done=self._ring.done_view)
@@ -135,16 +139,16 @@ class DeviceMetadataBackend(MetadataBackend):
                             for _ in range(2)]
             self._pinned_np = [p.numpy() for p in self._pinned]
             if cuda:
-                self._upload = PinnedUpload(  # fences in the device's primary context
+                self._upload = self._native = PinnedUpload(  # fences in the primary context
                     buffers.staging.data_ptr(), self._pinned[0].data_ptr(),
                     self._pinned[1].data_ptr(), 4 * words, self._device_index)
             self._prep_args = dict(ring=buffers.staging, num_slots=1, slot_words=words,
                                    state=self._prep)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._graph_execs: dict[int, int] = {}  # padded size -> its graph's cudaGraphExec_t
-        # N -> (plan, prep graph's cudaGraphExec_t or 0, metadata): ``prepare``'s one lookup,
-        # filled by the first step of N rows that passed.
-        self._per_num_reqs: dict[int, tuple[StepPlan, int, StepMetadata]] = {}
+        # N -> (metadata, prep graph's cudaGraphExec_t) where N's padded size has a prep graph:
+        # ``prepare``'s one lookup, filled by the first step of N rows that passed.
+        self._graph_steps: dict[int, tuple[StepMetadata, int]] = {}
         self._take_over()
         if capture_prep and cuda and buckets is not None:
             self._capture(buckets)
@@ -153,10 +157,17 @@ class DeviceMetadataBackend(MetadataBackend):
             if current != self._stream:
                 self._stream.wait_stream(current)
         self._order = None  # on CUDA: builds off ``stream`` are ordered by events
+        self._stage_call = self._on_stream = None  # on CUDA: the native stage, its stream check
         if cuda:
-            native = self._native_ring if self._native_ring is not None else self._upload
-            self._order = BuildOrder(self._stream, native.set_build_events,
+            self._order = BuildOrder(self._stream, self._native.set_build_events,
                                      wait_for_stage=self._upload is not None)
+            self._bind_stage()
+
+    def _bind_stage(self) -> None:
+        """(Re)binds the native stage to ``self.stream`` (construction, the ``stream`` setter)."""
+        self._stage_call = self.packer.stage_call(self._native, self._stream_handle,
+                                                  self._device_index)
+        self._on_stream = self._order.on_stream
 
     def _checked_stream(self, stream: torch.cuda.Stream | None) -> torch.cuda.Stream | None:
         """``stream`` if it can carry the upload to these buffers, else TypeError/ValueError."""
@@ -192,71 +203,67 @@ class DeviceMetadataBackend(MetadataBackend):
         self._stream_handle = stream.cuda_stream if stream is not None else 0
         if self._order is not None:
             self._order.stream = stream
+            self._bind_stage()
 
-    def _stage(self, step: DecodeStep, plan: StepPlan, graph_exec: int = 0) -> StepPlan:
+    def _stage(self, step: DecodeStep, plan: StepPlan) -> StepPlan:
         """Pack ``step`` into the next ring slot (or copy its record into ``buffers.staging``).
 
         "mapped": the slot is taken once the done word shows that the build of the record it
         holds has finished (a wait only when the host is K steps ahead). "copy": the H2D
-        copy is issued natively on ``self.stream`` (its handle cached: no stream query per
-        step). ``build`` must run on that stream (see the class docstring). With
-        ``graph_exec`` (the step's prep graph, from ``prepare``) the same native call then
-        launches it on ``self.stream``: the step's build. A step of padded size 0 runs no
-        prep kernel: its record is validated and committed to the packer's mirror but
-        written nowhere the device reads. Raises ValueError/TypeError (from the packer)
-        before anything is written to the device, to a slot the device reads or to the
-        packer's mirror, and RuntimeError if the driver rejects a call, or a mapped stage
-        finds a record staged and never built (the packer is then reset: the next step must
-        be all new rows).
+        copy is issued natively on ``self.stream`` (its handle bound: no torch stream query
+        per step). ``build`` must run on that stream (see the class docstring). A step of padded
+        size 0 runs no prep kernel: its record is validated and committed to the packer's
+        mirror but written nowhere the device reads. Raises ValueError/TypeError (from the
+        packer) before anything is written to the device, to a slot the device reads or to
+        the packer's mirror; on CUDA RuntimeError, before anything, for a step of padded size
+        > 0 while ``self.stream`` is capturing a CUDA graph (a stage is host work outside any
+        graph; a step of padded size 0 writes nothing the device reads); RuntimeError if the
+        driver rejects a call or a mapped stage finds a record staged and never built (the packer is
+        then reset: the next step must be all new rows).
         """
         if plan.padded_size == 0:  # no build reads it: keep the SEQ chain for the next one
             self.packer.pack_step(step, self._discard)
             self.last_upload_bytes = 0
             return plan
         seq = (self._seq + 1) & SEQ_MASK
-        try:
-            if self._native_ring is not None:  # slot, pack, commit (and launch): one call
-                words = self.packer.stage_into_ring(self._native_ring, self._stream_handle, seq,
-                                                    step, graph_exec, self._device_index)
-            elif self._upload is not None:  # fence, pack and H2D copy (and launch): one call
-                words = self.packer.stage_upload(self._upload, self._stream_handle, seq, step,
-                                                 graph_exec, self._device_index)
-            elif self._ring is not None:  # CPU: the same slot logic in Python
-                words = self.packer.pack_step(step, self._ring.acquire(self._stream_handle), seq)
-                self._ring.commit()
-            else:  # CPU copy path: a plain tensor copy
-                words = self.packer.pack_step(step, self._pinned_np[0], seq)
-                self.buffers.staging[:words].copy_(self._pinned[0][:words])
-        except RuntimeError:
-            self.packer.reset()  # the device may not get this step: start over from new rows
-            raise
+        if self._stage_call is not None:  # CUDA: slot (or buffer), pack (and copy): one call
+            words = self._stage_call(step, seq)
+        elif self._ring is not None:  # CPU: the same slot logic in Python
+            try:
+                slot = self._ring.acquire(self._stream_handle)
+            except RuntimeError:
+                self.packer.reset()  # as the native stage: the device never got a step
+                raise
+            words = self.packer.pack_step(step, slot, seq)
+            self._ring.commit()
+        else:  # CPU copy path: a plain tensor copy
+            words = self.packer.pack_step(step, self._pinned_np[0], seq)
+            self.buffers.staging[:words].copy_(self._pinned[0][:words])
         self._seq = seq
         self.last_upload_bytes = 4 * words
         return plan
 
     def prepare(self, step: DecodeStep) -> StepMetadata:
-        """``stage(step)``, ``build(plan.padded_size)``, ``metadata(plan)``. When the step's
-        padded size has a prep graph and a build now would run eagerly on ``self.stream``
-        (``BuildOrder.eager_on_stream``), the stage and the graph's launch are one native
-        call. What depends on N alone (the plan, the prep graph, the views) is looked up once
-        per step. Raises as ``stage`` and ``build``."""
-        if self.buffers.owner is not self:
-            raise self._not_owner()
-        n = len(step.req_ids)
-        per_n = self._per_num_reqs.get(n)
-        if per_n is None:
-            plan = self.plan(n)
-            per_n = (plan, self._graph_execs.get(plan.padded_size, 0), None)
-        plan, graph_exec, md = per_n
-        if graph_exec and self._order.eager_on_stream():
-            self._stage(step, plan, graph_exec)
-            self._built = self._seq
-        else:
-            self._stage(step, plan)
-            self.build(plan.padded_size)
-        if md is None:  # the first step of N rows, staged: its views are made once
-            md = self.metadata(plan)
-            self._per_num_reqs[n] = (plan, graph_exec, md)
+        """``stage(step)``, ``build(plan.padded_size)``, ``metadata(plan)``.
+
+        Once a step of N rows has passed through ``prepare``, a step of N rows whose padded
+        size has a prep graph, issued with ``self.stream`` current, is one native call (the
+        stage and the graph's launch, ``StepPacker.stage_call``) and one dict lookup: the
+        per-step path of a runner that does not capture the prep itself. Raises as ``stage``
+        and ``build``.
+        """
+        graph_step = self._graph_steps.get(len(step.req_ids))
+        if graph_step is not None and self.buffers.owner is self and self._on_stream():
+            seq = (self._seq + 1) & SEQ_MASK
+            self.last_upload_bytes = 4 * self._stage_call(step, seq, graph_step[1])
+            self._seq = self._built = seq
+            return graph_step[0]
+        plan = self.stage(step)
+        self.build(plan.padded_size)
+        md = self.metadata(plan)
+        graph_exec = self._graph_execs.get(plan.padded_size, 0)
+        if graph_exec:  # the next steps of N rows take the path above
+            self._graph_steps[plan.num_reqs] = (md, graph_exec)
         return md
 
     @property
@@ -330,7 +337,7 @@ class DeviceMetadataBackend(MetadataBackend):
                     sync.synchronize()
                 except RuntimeError:  # at interpreter exit the CUDA context may be gone
                     pass
-        native = getattr(self, "_native_ring", None) or getattr(self, "_upload", None)
+        native = getattr(self, "_native", None)
         if getattr(self, "_order", None) is not None and native is not None:
             native.set_build_events(0, 0)  # the events die with this backend, the ring may not
 

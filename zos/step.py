@@ -7,7 +7,7 @@ is written):
   1-D, every value fitting its dtype (int64 ``req_ids``, int32 the rest), converted without a
   cast; ``DecodeStep.build`` also the shape of its arguments (``new``, ``appends``,
   ``rewrites``). No rule that relates two fields or two steps.
-- ``zos._C`` (``csrc/bindings.cpp``, ``StepPacker.pack`` / ``stage_into_ring``): what the native
+- ``zos._C`` (``csrc/bindings.cpp``, ``StepPacker.pack`` / ``stage_call``): what the native
   code reads through raw pointers: numpy arrays of dtype int64 / int32 in native byte order,
   1-D, C-contiguous (a field replaced after a DecodeStep was built is caught here), ``out``
   writeable, and the lengths that tie fields together (``new_tokens`` and ``new_positions``

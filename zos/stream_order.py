@@ -60,6 +60,10 @@ class BuildOrder:
         off_stream_builds: builds that ran off ``stream`` or under capture (ordered by the
             events).
         capturing: whether the stream of the last such build was capturing.
+        on_stream: a function of no arguments: whether the current stream is ``stream``,
+            capturing or not (one C call; set with ``stream``). A caller that launches on
+            ``stream`` itself asks the stream whether it is capturing (``eager_on_stream``
+            is both).
     """
 
     def __init__(self, stream, join: Callable[[int, int], None], *, wait_for_stage: bool,
@@ -90,12 +94,14 @@ class BuildOrder:
         capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None)
         if self._cuda is torch.cuda and raw is not None and capturing is not None:
             # The current stream's raw handle, with no Stream object made (Triton's launcher
-            # reads it the same way), and the capture query without torch.cuda's wrapper: the
-            # per-step check is one closure over two C calls (~0.1 us), not ~1 us.
+            # reads it the same way), and the capture query without torch.cuda's wrapper: one
+            # closure over one or two C calls, not ~1 us of wrappers.
             device, handle = self._device, stream.cuda_stream
+            self.on_stream = lambda: raw(device) == handle
             self._eager = lambda: raw(device) == handle and not capturing()
         else:
             cuda, device, stream_id = self._cuda, self._device, stream.stream_id
+            self.on_stream = lambda: cuda.current_stream(device).stream_id == stream_id
             self._eager = lambda: (cuda.current_stream(device).stream_id == stream_id
                                    and not cuda.is_current_stream_capturing())
 
