@@ -34,8 +34,8 @@ class DeviceMetadataBackend(MetadataBackend):
     compares; a last chunk of fewer than 64 rows runs a plain loop). On the device:
     ``launch_prep`` (two kernels) rebuilds every field in place. ``prepare`` with a prep
     graph (``capture_prep=True``) launches it from the same native call: once a step of N
-    rows has passed, a later step of N rows issued on ``stream`` costs that call and a few
-    Python operations.
+    rows has passed through ``prepare``, a later step of N rows issued on ``stream`` costs
+    that call and a few Python operations.
 
     Where the record goes (``staging``):
 
@@ -211,15 +211,15 @@ class DeviceMetadataBackend(MetadataBackend):
         "mapped": the slot is taken once the done word shows that the build of the record it
         holds has finished (a wait only when the host is K steps ahead). "copy": the H2D
         copy is issued natively on ``self.stream`` (its handle bound: no torch stream query
-        per step). ``build`` must run on that stream (see the class docstring). A step of padded
-        size 0 runs no prep kernel: its record is validated and committed to the packer's
-        mirror but written nowhere the device reads. Raises ValueError/TypeError (from the
-        packer) before anything is written to the device, to a slot the device reads or to
-        the packer's mirror; on CUDA RuntimeError, before anything, for a step of padded size
-        > 0 while ``self.stream`` is capturing a CUDA graph (a stage is host work outside any
-        graph; a step of padded size 0 writes nothing the device reads); RuntimeError if the
-        driver rejects a call or a mapped stage finds a record staged and never built (the packer is
-        then reset: the next step must be all new rows).
+        per step). ``build`` must run on that stream (see the class docstring). A step of
+        padded size 0 runs no prep kernel: its record is validated and committed to the
+        packer's mirror but written nowhere the device reads. Raises ValueError/TypeError
+        (from the packer) before anything is written to the device, to a slot the device
+        reads or to the packer's mirror; on CUDA RuntimeError, before anything, for a step of
+        padded size > 0 while ``self.stream`` is capturing a CUDA graph (a stage is host work
+        outside any graph; a step of padded size 0 writes nothing the device reads);
+        RuntimeError if the driver rejects a call or a mapped stage finds a record staged and
+        never built (the packer is then reset: the next step must be all new rows).
         """
         if plan.padded_size == 0:  # no build reads it: keep the SEQ chain for the next one
             self.packer.pack_step(step, self._discard)

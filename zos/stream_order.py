@@ -97,13 +97,12 @@ class BuildOrder:
             # reads it the same way), and the capture query without torch.cuda's wrapper: one
             # closure over one or two C calls, not ~1 us of wrappers.
             device, handle = self._device, stream.cuda_stream
-            self.on_stream = lambda: raw(device) == handle
-            self._eager = lambda: raw(device) == handle and not capturing()
+            on = self.on_stream = lambda: raw(device) == handle
         else:
             cuda, device, stream_id = self._cuda, self._device, stream.stream_id
-            self.on_stream = lambda: cuda.current_stream(device).stream_id == stream_id
-            self._eager = lambda: (cuda.current_stream(device).stream_id == stream_id
-                                   and not cuda.is_current_stream_capturing())
+            on = self.on_stream = lambda: cuda.current_stream(device).stream_id == stream_id
+            capturing = cuda.is_current_stream_capturing
+        self._eager = lambda: on() and not capturing()
 
     def eager_on_stream(self) -> bool:
         """Whether a build enqueued now runs eagerly on the backend's stream: the current
