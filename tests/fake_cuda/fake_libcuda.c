@@ -1,0 +1,60 @@
+/* A stand-in for the CUDA driver (libcuda.so.1) for CPU tests of zos._C's driver paths
+ * (tests/test_native_stage.py): "device" memory is host memory, streams, events and contexts
+ * are opaque tokens, every call succeeds at once (an event is always complete), and a test sets
+ * the faults and reads the counters below through ctypes. Only the entry points zos._C loads
+ * (csrc/upload.cpp, Driver) exist. It checks zos's bookkeeping around the driver, not CUDA's
+ * semantics: nothing here is asynchronous. */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef int CUresult;
+static int primary_context;
+static void* current_context;
+
+int fake_capturing = 0;      /* cuStreamIsCapturing reports this status (1: active) */
+int fake_launch_error = 0;   /* cuGraphLaunch returns this */
+int fake_copy_error = 0;     /* cuMemcpyHtoDAsync returns this */
+long fake_capture_queries = 0, fake_launches = 0, fake_copies = 0;
+uint64_t fake_last_graph = 0, fake_last_stream = 0;
+
+CUresult cuInit(unsigned flags) { return 0; }
+CUresult cuDeviceGet(int* dev, int ordinal) { *dev = ordinal; return 0; }
+CUresult cuDevicePrimaryCtxRetain(void** ctx, int dev) { *ctx = &primary_context; return 0; }
+CUresult cuDevicePrimaryCtxRelease_v2(int dev) { return 0; }
+CUresult cuCtxGetCurrent(void** ctx) { *ctx = current_context; return 0; }
+CUresult cuCtxSetCurrent(void* ctx) { current_context = ctx; return 0; }
+CUresult cuEventCreate(void** ev, unsigned flags) { *ev = malloc(1); return 0; }
+CUresult cuEventDestroy_v2(void* ev) { free(ev); return 0; }
+CUresult cuEventRecord(void* ev, void* stream) { return 0; }
+CUresult cuEventQuery(void* ev) { return 0; }
+CUresult cuEventSynchronize(void* ev) { return 0; }
+CUresult cuStreamWaitEvent(void* stream, void* ev, unsigned flags) { return 0; }
+CUresult cuMemHostAlloc(void** p, size_t bytes, unsigned flags) { *p = calloc(1, bytes); return 0; }
+CUresult cuMemFreeHost(void* p) { free(p); return 0; }
+CUresult cuMemHostGetDevicePointer_v2(uint64_t* d, void* p, unsigned flags) {
+  *d = (uint64_t)p;
+  return 0;
+}
+CUresult cuMemcpyHtoDAsync_v2(uint64_t dst, const void* src, size_t bytes, void* stream) {
+  ++fake_copies;
+  if (fake_copy_error) return fake_copy_error;
+  memcpy((void*)dst, src, bytes);
+  return 0;
+}
+CUresult cuGraphLaunch(void* graph, void* stream) {
+  ++fake_launches;
+  if (fake_launch_error) return fake_launch_error;
+  fake_last_graph = (uint64_t)graph;
+  fake_last_stream = (uint64_t)stream;
+  return 0;
+}
+CUresult cuStreamIsCapturing(void* stream, int* status) {
+  ++fake_capture_queries;
+  *status = fake_capturing;
+  return 0;
+}
+CUresult cuGetErrorString(CUresult rc, const char** msg) {
+  *msg = "fake driver error";
+  return 0;
+}

@@ -1,0 +1,183 @@
+"""The scenarios of tests/test_native_stage.py, run in a process whose loader finds the fake
+CUDA driver (tests/fake_cuda/fake_libcuda.c) as libcuda.so.1: ``python stage_checks.py NAME...``
+prints one JSON object, each name -> "ok" or the failure's traceback."""
+import ctypes
+import json
+import sys
+import traceback
+
+import numpy as np
+
+from zos import DecodeStep, staging
+from zos._C import MappedRing, PinnedUpload, StepPacker
+
+FAKE = ctypes.CDLL("libcuda.so.1")  # the library zos._C opens: one copy per process
+SEQ = staging.SEQ
+# Request 5 is at position 3 (block [7], 4 tokens per block): it moves to row 1 at position 4
+# in the second step, which opens block column 1, so that step appends.
+STEPS = [DecodeStep.build([5, 6], {0: (1, 3, [7]), 1: (2, 0, [8])}),
+         DecodeStep.build([6, 5], appends=[(1, 9)]), DecodeStep.build([6, 5])]
+FRESH = DecodeStep.build([7, 8], {0: (3, 1, [10]), 1: (4, 2, [11])})  # all rows new
+
+
+def packer():
+    return StepPacker(max_num_reqs=24, uniform_decode_query_len=1, block_size=4,
+                      max_num_blocks_per_req=6, num_kv_blocks=400, vocab_size=1000)
+
+
+def fault(name, value):
+    ctypes.c_int.in_dll(FAKE, name).value = value
+
+
+def count(name):
+    return ctypes.c_long.in_dll(FAKE, name).value
+
+
+def last(name):
+    return ctypes.c_uint64.in_dll(FAKE, name).value
+
+
+def raises(exc, text, fn, *args):
+    try:
+        fn(*args)
+    except exc as e:
+        assert text in str(e), f"{type(e).__name__}: {e!r} lacks {text!r}"
+        return
+    raise AssertionError(f"no {exc.__name__} ({text!r})")
+
+
+def record(step, seq, ref):
+    """The words ``ref`` (a packer in step with the one under test) packs for ``step``."""
+    out = np.zeros(256, np.int32)
+    return out[:ref.pack_step(step, out, seq)].tolist()
+
+
+def ring_records_and_launches():
+    """Each stage writes pack's record, with its SEQ, into slot n mod K and launches the graph
+    it is given on the bound stream; the slot of a record whose build finished is reused."""
+    ring, p, ref = MappedRing(2, 256, 0), packer(), packer()
+    stage, slots = p.stage_call(ring, 5, 0), ring.array()
+    launches = count("fake_launches")
+    for n, step in enumerate(STEPS):
+        if n == 2:
+            ring.done_array()[0] = 1  # record 1's build finished: slot 0 is free again
+        words = stage(step, n + 1, 70 + n)
+        assert slots[n % 2, :words].tolist() == record(step, n + 1, ref)
+        assert (last("fake_last_graph"), last("fake_last_stream")) == (70 + n, 5)
+    assert count("fake_launches") - launches == 3 and ring.waits == 0
+
+
+def unbuilt_slot_resets_the_packer():
+    """A stage whose slot holds a record that no build read (the fence completes, the done word
+    never reaches its SEQ) raises, and the packer forgets the previous step."""
+    ring, p = MappedRing(2, 256, 0), packer()
+    stage = p.stage_call(ring, 5, 0)
+    stage(STEPS[0], 1)
+    stage(STEPS[1], 2)
+    raises(RuntimeError, "was staged but no build read", stage, STEPS[2], 3)
+    assert p.prev_num_reqs == 0 and ring.waits == 1
+
+
+def capturing_stream_is_refused_before_anything():
+    """On a capturing stream nothing is written, committed, launched or forgotten; a call bound
+    to the legacy default stream (0) never asks."""
+    ring, p = MappedRing(2, 256, 0), packer()
+    stage = p.stage_call(ring, 5, 0)
+    stage(STEPS[0], 1)
+    before, launches = ring.array().copy(), count("fake_launches")
+    fault("fake_capturing", 1)
+    for graph in (0, 70):
+        raises(RuntimeError, "stage: the backend's stream is capturing", stage, STEPS[1], 2, graph)
+    queries = count("fake_capture_queries")
+    ring0, p0 = MappedRing(2, 256, 0), packer()
+    assert p0.stage_call(ring0, 0, 0)(STEPS[0], 1, 70) > 0
+    assert count("fake_capture_queries") == queries
+    fault("fake_capturing", 0)
+    assert (ring.array() == before).all() and p.prev_num_reqs == 2
+    assert count("fake_launches") - launches == 1  # ring0's
+    assert stage(STEPS[1], 2) > 0  # the mirror kept step 1: its carried rows pass
+
+
+def launch_error_resets_the_packer_and_keeps_the_slot():
+    """A failed launch: RuntimeError naming the call, the packer reset, the slot not
+    committed (the next stage writes the same slot)."""
+    ring, p, ref = MappedRing(2, 256, 0), packer(), packer()
+    stage, slots = p.stage_call(ring, 5, 0), ring.array()
+    stage(STEPS[0], 1, 70)
+    fault("fake_launch_error", 400)
+    raises(RuntimeError, "cuGraphLaunch failed: fake driver error", stage, STEPS[1], 2, 71)
+    fault("fake_launch_error", 0)
+    assert p.prev_num_reqs == 0
+    ref.reset()
+    words = stage(FRESH, 2, 71)
+    assert slots[1, :words].tolist() == record(FRESH, 2, ref) and slots[0, SEQ] == 1
+
+
+def packer_error_changes_nothing():
+    """A step the packer refuses: ValueError, no slot written or committed, nothing launched,
+    the previous step still the reference."""
+    ring, p = MappedRing(2, 256, 0), packer()
+    stage = p.stage_call(ring, 5, 0)
+    stage(STEPS[0], 1)
+    before, launches = ring.array().copy(), count("fake_launches")
+    bad = DecodeStep(np.array([6, 6], np.int64), *[getattr(STEPS[1], f) for f in (
+        "new_rows", "new_tokens", "new_positions", "new_block_indptr", "new_block_ids",
+        "append_rows", "append_block_ids")])
+    raises(ValueError, "appears twice", stage, bad, 2, 70)
+    assert (ring.array() == before).all() and count("fake_launches") == launches
+    assert p.prev_num_reqs == 2 and stage(STEPS[1], 2) > 0
+
+
+def upload_records_copies_and_errors():
+    """On the copy path each stage packs into the next pinned buffer, copies it to the staging
+    buffer (here host memory) and launches after it; a failed copy resets the packer."""
+    dst, src = np.zeros(256, np.int32), [np.zeros(256, np.int32) for _ in range(2)]
+    up = PinnedUpload(dst.ctypes.data, src[0].ctypes.data, src[1].ctypes.data, 4 * 256, 0)
+    p, ref = packer(), packer()
+    stage = p.stage_call(up, 5, 0)
+    copies, launches = count("fake_copies"), count("fake_launches")
+    for n, step in enumerate(STEPS):
+        words = stage(step, n + 1, 70 + n)
+        assert dst[:words].tolist() == record(step, n + 1, ref)
+        assert src[n % 2][:words].tolist() == dst[:words].tolist()
+    assert count("fake_copies") - copies == 3 and count("fake_launches") - launches == 3
+    fault("fake_copy_error", 700)
+    raises(RuntimeError, "failed: fake driver error", stage, STEPS[2], 4)
+    fault("fake_copy_error", 0)
+    assert p.prev_num_reqs == 0
+
+
+def arguments_are_checked_first():
+    """Argument errors name the argument and leave everything as it was."""
+    ring, p = MappedRing(2, 256, 0), packer()
+    stage = p.stage_call(ring, 5, 0)
+    before = ring.array().copy()
+    for args, exc, text in [
+            ((STEPS[0],), TypeError, "stage(step, seq, graph_exec=0, /) takes 2 or 3 arguments"),
+            ((STEPS[0], 1, 0, 0), TypeError, "takes 2 or 3 arguments, got 4"),
+            ((STEPS[0], True), TypeError, "seq must be an int, got bool"),
+            ((STEPS[0], 1.0), TypeError, "seq must be an int, got float"),
+            ((STEPS[0], 1 << 30), ValueError, "seq must be in [0, 1073741823], got 1073741824"),
+            ((STEPS[0], 1, -1), ValueError, "graph_exec must be in [0, 9223372036854775807]"),
+            ((STEPS[0], 1, 1 << 64), ValueError, "graph_exec must be in"),
+            ((object(), 1), TypeError, "step must be a zos.DecodeStep")]:
+        raises(exc, text, stage, *args)
+    raises(TypeError, "takes no keyword arguments", lambda: stage(STEPS[0], 1, graph_exec=0))
+    raises(ValueError, "device must be >= 0, got -1", p.stage_call, ring, 5, -1)
+    raises(TypeError, "sink must be a zos._C.MappedRing or zos._C.PinnedUpload", p.stage_call,
+           object(), 5, 0)
+    assert (ring.array() == before).all() and p.prev_num_reqs == 0
+
+
+if __name__ == "__main__":
+    assert hasattr(FAKE, "fake_launches"), "libcuda.so.1 is not the fake driver"
+    results = {}
+    for name in sys.argv[1:]:
+        for f in ("fake_capturing", "fake_launch_error", "fake_copy_error"):
+            fault(f, 0)
+        try:
+            globals()[name]()
+            results[name] = "ok"
+        except Exception:  # reported to the test, which fails with it
+            results[name] = traceback.format_exc()
+    print(json.dumps(results))
