@@ -140,17 +140,12 @@ class MetadataBackend:
                 never built, a failed copy; the packer is then reset).
         """
         if self.buffers.owner is not self:
-            raise self._not_owner()
+            raise RuntimeError(f"{type(self).__name__}: another backend "
+                               f"({type(self.buffers.owner).__name__}) has taken these buffers "
+                               f"over; build a new backend to use them again")
         if type(min_padded_size) is not int or min_padded_size:  # 0: the plain step
             self.check_min_padded_size(min_padded_size)
         return self._stage(step, self.plan(len(step.req_ids), min_padded_size))
-
-    def _not_owner(self) -> RuntimeError:
-        """The error of a step staged after another backend took these buffers over
-        (``_take_over``); callers test ``self.buffers.owner is not self``."""
-        return RuntimeError(f"{type(self).__name__}: another backend "
-                            f"({type(self.buffers.owner).__name__}) has taken these buffers "
-                            f"over; build a new backend to use them again")
 
     def _stage(self, step: DecodeStep, plan: StepPlan) -> StepPlan:
         """``stage`` after its checks, with the step's plan (``plan(N, min_padded_size)``)."""

@@ -94,20 +94,20 @@ class BuildOrder:
         capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None)
         if self._cuda is torch.cuda and raw is not None and capturing is not None:
             # The current stream's raw handle, with no Stream object made (Triton's launcher
-            # reads it the same way), and the capture query without torch.cuda's wrapper: one
-            # closure over one or two C calls, not ~1 us of wrappers.
+            # reads it the same way), and the capture query without torch.cuda's wrapper: one C
+            # call each, not ~1 us of wrappers.
             device, handle = self._device, stream.cuda_stream
-            on = self.on_stream = lambda: raw(device) == handle
+            self.on_stream = lambda: raw(device) == handle
         else:
             cuda, device, stream_id = self._cuda, self._device, stream.stream_id
-            on = self.on_stream = lambda: cuda.current_stream(device).stream_id == stream_id
+            self.on_stream = lambda: cuda.current_stream(device).stream_id == stream_id
             capturing = cuda.is_current_stream_capturing
-        self._eager = lambda: on() and not capturing()
+        self._capturing = capturing
 
     def eager_on_stream(self) -> bool:
         """Whether a build enqueued now runs eagerly on the backend's stream: the current
         stream is that stream and is not capturing (stream order alone orders the build)."""
-        return self._eager()
+        return self.on_stream() and not self._capturing()
 
     def before_build(self):
         """Call right before a build's kernels are enqueued. Returns None when the build runs
