@@ -13,12 +13,12 @@ call) and prints their medians per step. On the CPU the readback copy is synchro
 """
 from __future__ import annotations
 
+import zos._interpret
+
+import argparse
 import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")  # a CPU benchmark: CPU tensors on a GPU machine too
-
-import argparse  # noqa: E402
 import statistics
+import sys
 import time
 from collections import defaultdict
 
@@ -136,6 +136,14 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--warmup", type=int, default=50)
     args = ap.parse_args()
+    if not zos._interpret.kernels_interpreted():
+        # A CPU benchmark: on a GPU machine the kernels were compiled for the GPU when zos was
+        # imported, and no later change of the environment changes that. Run again, as a new
+        # process with Triton's interpreter on.
+        if os.environ.get("TRITON_INTERPRET") == "1":
+            sys.exit("bench_engine_host.py: TRITON_INTERPRET=1, yet zos's kernels are compiled")
+        os.execve(sys.executable, [sys.executable, *sys.argv],
+                  {**os.environ, "TRITON_INTERPRET": "1"})
     torch.set_num_threads(1)
     ns = [int(x) for x in args.n.split(",")]
     print(f"{'mode':8s} {'N':>5s} {'wall_us':>9s} {'cpu_us':>9s}")

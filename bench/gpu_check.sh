@@ -2,7 +2,8 @@
 # The GPU check of a change to kernels, buffers, the runner or the integration, on one GPU
 # machine, one call of about 8 minutes, from the repository root:   bash bench/gpu_check.sh
 # Writes under $OUT (default ./gpu_check_out): logs.tgz (build, tests, memcheck, racecheck,
-# prep, breakdown, e2e logs) and the JSONs of bench_prep, host_breakdown and bench_e2e.
+# prep, breakdown, e2e, guard logs) and the JSONs of bench_prep, host_breakdown, bench_e2e and
+# step_guard (FAIL where the own engine's step is over 1.5x the committed e2e figure).
 # Each part has its own time limit; a part that fails does not stop the next one. SUITE=0
 # skips the test suite, BENCH=0 the benchmarks.
 set -u
@@ -44,6 +45,9 @@ if [ "${BENCH:-1}" = 1 ]; then
   timeout 150 python3 bench/bench_e2e.py --sizes 1,8,64,256,512 --contexts 1024 --steps 48 \
     --out "$OUT" > "$OUT/e2e.log" 2>&1
   echo "e2e rc=$?"; tail -14 "$OUT/e2e.log"
+  stamp "step_guard (own engine's GPU busy per step against the floor and the committed e2e)"
+  timeout 120 python3 bench/step_guard.py --out "$OUT" > "$OUT/guard.log" 2>&1
+  echo "step_guard rc=$?"; cat "$OUT/guard.log"
 fi
 stamp "done"
 cd "$OUT" && tar czf logs.tgz ./*.log && rm -f ./*.log

@@ -54,7 +54,7 @@ def tiling(request, monkeypatch):
     ~1024 values per RoPE program), so the CPU interpreter also checks the layout the GPU uses
     (at some sizes: many programs are slow there); ``"native"`` keeps the launcher's choice."""
     if request.param == "gpu_tiling":
-        monkeypatch.setattr(fz, "interpreted", lambda device: False)
+        monkeypatch.setattr(fz, "interpreted", lambda kernel, device: False)
     return request.param
 
 

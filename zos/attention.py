@@ -266,16 +266,16 @@ def _launch(q, k_cache, v_cache, block_table, seq_lens, scale, out, num_splits) 
 
     block_n = _block_n(q.dtype)
     tiles = triton.cdiv(w * block_size, block_n)
+    interp = interpreted(paged_decode_split_kernel, q.device)  # how the kernel was defined
     if num_splits is None:  # the interpreter runs programs one by one: splitting only costs
-        num_splits = (1 if interpreted(q.device)
-                      else default_num_splits(r, hkv, w, block_size, block_n))
+        num_splits = 1 if interp else default_num_splits(r, hkv, w, block_size, block_n)
     num_splits = min(num_splits, tiles)
     block_m = max(16, triton.next_power_of_2(q_len * group))
     block_d = max(16, triton.next_power_of_2(hd))
     direct = num_splits == 1
     # float32: exact (IEEE) products, no TF32. The CPU interpreter's bf16 tl.dot is broken
     # (Triton 3.9 returns garbage), so interpreted 16-bit products are done in float32 too.
-    ieee_dot = q.dtype == torch.float32 or interpreted(q.device)
+    ieee_dot = q.dtype == torch.float32 or interp
     if direct:
         part_out = part_lse = out  # unused by the kernel when DIRECT
     else:

@@ -14,6 +14,8 @@ and computes no ratio.
 """
 from __future__ import annotations
 
+from zos._interpret import kernels_interpreted
+
 import json
 import os
 import platform
@@ -145,7 +147,7 @@ def build_report(s: dict, info: dict, slice_, runs: dict, phases: dict, profiled
         setup=dict(device=device.type, device_name=name, torch=torch.__version__,
                    triton=triton.__version__, python=platform.python_version(),
                    date=datetime.now().isoformat(timespec="seconds"),
-                   triton_interpret=os.environ.get("TRITON_INTERPRET") or "unset",
+                   triton_kernels="interpreted" if kernels_interpreted() else "compiled",
                    torch_threads=torch.get_num_threads(), **info,
                    model_kernels="Triton (compiled)" if cuda else
                    "torch ops (zos's prep kernels in Triton's interpreter)",

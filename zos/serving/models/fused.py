@@ -33,9 +33,9 @@ _INTERP_TILE = 16384
 
 
 
-def _rows_per_program(device: torch.device, n_rows: int, block: int) -> int:
+def _rows_per_program(kernel, device: torch.device, n_rows: int, block: int) -> int:
     """1 on the GPU; on the interpreter as many rows as fit in _INTERP_TILE (a power of 2)."""
-    if not interpreted(device):
+    if not interpreted(kernel, device):
         return 1
     return max(1, min(triton.next_power_of_2(n_rows), _INTERP_TILE // block))
 
@@ -118,7 +118,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         has_res = residual is not None
         res, res_o = (residual, res_out) if has_res else (x, out)  # unused pointers
         block = triton.next_power_of_2(hidden)
-        rows = _rows_per_program(x.device, t, block)
+        rows = _rows_per_program(rms_norm_kernel, x.device, t, block)
         rms_norm_kernel[(triton.cdiv(t, rows),)](
             x, res, weight, out, res_o, x.stride(0), res.stride(0), out.stride(0),
             res_o.stride(0), t, hidden, float(eps), HAS_RESIDUAL=has_res, ROWS=rows,
@@ -213,7 +213,7 @@ def rope_and_store_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
         return q
     n_pairs = t * (num_heads + num_kv_heads)
     half_block = triton.next_power_of_2(head_dim // 2)
-    tile = _INTERP_TILE if interpreted(qkv.device) else _GPU_ROPE_TILE
+    tile = _INTERP_TILE if interpreted(rope_store_kv_kernel, qkv.device) else _GPU_ROPE_TILE
     pairs = max(1, min(triton.next_power_of_2(n_pairs), tile // half_block))
     num_slots = kv_cache.shape[1] * kv_cache.shape[2]
     rope_store_kv_kernel[(triton.cdiv(n_pairs, pairs),)](
@@ -256,7 +256,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty((t, n), dtype=gate_up.dtype, device=gate_up.device)
     if t > 0 and n > 0:
         block = min(triton.next_power_of_2(n), _SILU_BLOCK)
-        rows = _rows_per_program(gate_up.device, t, block)
+        rows = _rows_per_program(silu_and_mul_kernel, gate_up.device, t, block)
         silu_and_mul_kernel[(triton.cdiv(t, rows), triton.cdiv(n, block))](
             gate_up, out, gate_up.stride(0), out.stride(0), t, n, ROWS=rows, BLOCK=block,
             num_warps=8 if block >= 2048 else 4, enable_fp_fusion=False)
