@@ -11,8 +11,11 @@ batches only (:class:`~zos.integrations.hf_rows.ZosDecodeRows` says which):
 * ``carry_over_tokens``: transformers calls it first inside the function it runs or captures
   (``ModelRunner._forward_process_and_sample``): zos's device work goes there, so with
   transformers' graphs on, prep, model, logits processors and sampling are one replay;
-* the graph key: ``("zos", padded size)`` in transformers' graph store (``use_block_table``
-  reads True, so the decode graph setting applies).
+* the graph key: ``("zos", padded size, sampled rows)`` in transformers' graph store
+  (``use_block_table`` reads True, so the decode graph setting applies). The logits processors
+  and the sampler run the rows transformers' own IOs would sample for the batch (its padded
+  size with graphs, N without), so a seeded sampling run draws the same random numbers and
+  samples the same tokens as transformers' (``ZosDecodeRows.model_kwargs``).
 
 Prefill and mixed batches are transformers' own methods, unchanged. Classes are built on first
 use so that importing zos needs no transformers.
@@ -23,7 +26,7 @@ import time
 
 import torch
 
-from zos.integrations.hf_rows import TMP_TOKEN_ID, ZosDecodeRows, graph_key
+from zos.integrations.hf_rows import TMP_TOKEN_ID, ZosDecodeRows, graph_key, num_sampled
 
 _CLASSES = None
 
@@ -107,6 +110,7 @@ def _build():
             self.zos = _zos_rows(serves, dict(kw, options=options), self.max_requests_per_batch,
                                  self.compute_stream, async_carry=False)
             self.zos_md = None
+            self.zos_sampled = 0  # rows transformers would sample for this step
 
         def reset(self) -> None:
             super().reset()
@@ -129,6 +133,8 @@ def _build():
                                               use_padding)
                 return _timed(self.zos_options, "transformers", t0)
             self.zos_md = self.zos.stage(built)
+            self.zos_sampled = num_sampled(requests_in_batch, num_q_tokens,
+                                           self.max_requests_per_batch, use_padding)
             _bookkeeping(self, requests_in_batch, logits_processors)
             self.use_block_table = True  # transformers' runner: the decode graph setting
             _timed(self.zos_options, "zos", t0)
@@ -141,11 +147,13 @@ def _build():
             md = self.zos_md
             if md is None:
                 return super().get_model_kwargs(use_padding=use_padding)
-            args = self._bulk_input_tensor[self.static_inputs:, : md.padded_size]
-            return self.zos.model_kwargs(md, self.cache, args)
+            args = self._bulk_input_tensor[self.static_inputs:]
+            return self.zos.model_kwargs(md, self.cache, args, self.zos_sampled)
 
         def _get_graph_key(self):
-            return super()._get_graph_key() if self.zos_md is None else graph_key(self.zos_md)
+            if self.zos_md is None:
+                return super()._get_graph_key()
+            return graph_key(self.zos_md, self.zos_sampled)
 
     class ZosAsyncIOs(ContinuousBatchingAsyncIOs):
         """transformers' asynchronous IOs (two host/device IO pairs, H2D, compute and D2H
@@ -172,6 +180,7 @@ def _build():
                                  self.io_pairs[0].host_io.max_requests_per_batch,
                                  self.compute_stream, async_carry=True)
             self.zos_md = [None, None]  # per IO pair: its step's metadata if a zos step
+            self.zos_sampled = [0, 0]  # per IO pair: rows transformers would sample
 
         def reset(self) -> None:
             super().reset()
@@ -197,6 +206,8 @@ def _build():
                 return _timed(self.zos_options, "transformers", t0)
             self.zos_md[cur] = self.zos.stage(built)
             host, dev = pair.host_io, pair.device_io
+            self.zos_sampled[cur] = num_sampled(requests_in_batch, num_q_tokens,
+                                                host.max_requests_per_batch, use_padding)
             _bookkeeping(host, requests_in_batch, logits_processors)
             if logits_processors.tensors_required:
                 with torch.cuda.stream(self.compute_stream):
@@ -210,8 +221,8 @@ def _build():
             if md is None:
                 return super().get_model_kwargs(use_padding=use_padding)
             dev = self.io_pairs[self.current_pair].device_io
-            args = dev._bulk_input_tensor[dev.static_inputs:, : md.padded_size]
-            return self.zos.model_kwargs(md, self.cache, args)
+            args = dev._bulk_input_tensor[dev.static_inputs:]
+            return self.zos.model_kwargs(md, self.cache, args, self.zos_sampled[self.current_pair])
 
         def carry_over_tokens(self, input_ids, carry_over_ids, prev_output_ids) -> None:
             md = self.zos_md[self.current_pair]
@@ -229,13 +240,15 @@ def _build():
             md = self.zos_md[self.current_pair]
             if md is None:
                 return super().get_graph()
-            return self.io_pairs[self.current_pair].device_io.graphs.get_graph(graph_key(md))
+            key = graph_key(md, self.zos_sampled[self.current_pair])
+            return self.io_pairs[self.current_pair].device_io.graphs.get_graph(key)
 
         def set_graph(self, graph) -> None:
             md = self.zos_md[self.current_pair]
             if md is None:
                 return super().set_graph(graph)
-            self.io_pairs[self.current_pair].device_io.graphs.set_graph(graph_key(md), graph)
+            key = graph_key(md, self.zos_sampled[self.current_pair])
+            self.io_pairs[self.current_pair].device_io.graphs.set_graph(key, graph)
 
     return ZosIOs, ZosAsyncIOs
 

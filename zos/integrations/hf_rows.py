@@ -97,6 +97,7 @@ class ZosDecodeRows:
             buckets=buckets, capture_prep=cuda and buckets is not None and not graphed,
             stream=stream)
         self.logits_indices = torch.arange(max_requests, dtype=torch.int32, device=device)
+        self._sampled_indices: dict[tuple[int, int], torch.Tensor] = {}
         self.carry = None
         if async_carry:  # -1: the row's token came with the record
             self.carry = torch.full((max_requests,), -1, dtype=torch.int32, device=device)
@@ -241,18 +242,45 @@ class ZosDecodeRows:
             md.input_ids.copy_(torch.where(carry >= 0, taken, md.input_ids))
             carry.fill_(-1)
 
-    def model_kwargs(self, md: StepMetadata, cache, logits_processor_args) -> dict:
+    def sampled_indices(self, md: StepMetadata, num_sampled: int) -> torch.Tensor:
+        """int32 ``[num_sampled]``: the logits row each sampled row reads. Rows below
+        ``md.padded_size`` read their own; rows past it read row 0 (as transformers pads its
+        ``logits_indices``). One static tensor per (padded size, num_sampled): a captured graph
+        keeps reading it."""
+        key = (md.padded_size, num_sampled)
+        idx = self._sampled_indices.get(key)
+        if idx is None:
+            idx = torch.zeros(num_sampled, dtype=torch.int32, device=self.logits_indices.device)
+            k = min(num_sampled, md.padded_size)
+            idx[:k] = self.logits_indices[:k]
+            self._sampled_indices[key] = idx
+        return idx
+
+    def model_kwargs(self, md: StepMetadata, cache, logits_processor_args,
+                     num_sampled: int) -> dict:
         """The model's keyword arguments for a zos step (transformers' ``PagedAttentionArgs``
-        names; the model runs ``md.padded_size`` rows, transformers reads the real ones)."""
-        n = md.padded_size
+        names). The model runs ``md.padded_size`` rows; logits processors and the sampler run
+        ``num_sampled`` rows, the count transformers' own IOs would sample for this batch
+        (``ContinuousBatchingIOs._get_num_sequences``): the sampler draws random numbers for
+        every element of its ``[num_sampled, vocab]`` probabilities, so with the same rows a
+        seeded run samples the same tokens as transformers' (zos's buckets differ from
+        transformers' powers of two). ``logits_processor_args``: transformers' per-request
+        processor arguments, at least ``num_sampled`` columns."""
         return dict(input_ids=md.input_ids.unsqueeze(0), position_ids=md.positions.unsqueeze(0),
                     cu_seq_lens_q=md.query_start_loc, cu_seq_lens_k=md.query_start_loc,
-                    max_seqlen_q=1, max_seqlen_k=1, logits_indices=self.logits_indices[:n],
-                    logits_processor_args=logits_processor_args, attention_mask=None,
-                    read_index=[], write_index=[], cache=cache, block_table=None,
-                    use_cache=False, zos_metadata=md)
+                    max_seqlen_q=1, max_seqlen_k=1,
+                    logits_indices=self.sampled_indices(md, num_sampled),
+                    logits_processor_args=logits_processor_args[:, :num_sampled],
+                    attention_mask=None, read_index=[], write_index=[], cache=cache,
+                    block_table=None, use_cache=False, zos_metadata=md)
 
 
-def graph_key(md: StepMetadata) -> tuple:
+def num_sampled(requests, num_q_tokens: int, max_requests: int, use_padding: bool) -> int:
+    """The rows transformers' IOs sample for a decode batch of ``requests``
+    (``ContinuousBatchingIOs._get_num_sequences``: with padding, transformers' padded size)."""
+    return min(num_q_tokens, max_requests) if use_padding else len(requests)
+
+
+def graph_key(md: StepMetadata, num_sampled: int) -> tuple:
     """The key of a zos step's graph in transformers' graph store (never one of its own)."""
-    return ("zos", md.padded_size)
+    return ("zos", md.padded_size, num_sampled)

@@ -297,6 +297,21 @@ def _cmd_demo(args) -> int:
     return 0
 
 
+def _cmd_serve(args) -> int:
+    """``zos serve``: see ``zos.integrations.serve``."""
+    from zos.integrations.serve import main as serve
+
+    return serve(args.args)
+
+
+_SERVE_DOC = ("Run transformers' OpenAI-compatible server (transformers serve "
+              "--continuous-batching, transformers 5.17.0) on a local model directory with zos "
+              "preparing its decode steps. Every argument after MODEL_DIR goes to transformers "
+              "serve (see `transformers serve --help`: --device, --dtype, --host, --port, "
+              "--cb-block-size, --cb-num-blocks, --cb-max-batch-tokens, ...). Requests name the "
+              "model as MODEL_DIR is written here.")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``zos`` argument parser, one subparser per subcommand."""
     parser = _Parser(prog="zos", description="Device-side decode-step metadata "
@@ -334,6 +349,12 @@ def build_parser() -> argparse.ArgumentParser:
     for flag, kw in DEMO_FLAGS:
         p.add_argument(flag, **kw)
     p.set_defaults(func=_cmd_demo)
+
+    p = sub.add_parser("serve", help="transformers' OpenAI-compatible server with zos on",
+                       description=_SERVE_DOC)
+    p.add_argument("args", nargs=argparse.REMAINDER, metavar="MODEL_DIR [options]",
+                   help="a local model directory, then transformers serve's options")
+    p.set_defaults(func=_cmd_serve)
     # ---------------------------------------------------------------------------------------
     return parser
 

@@ -1,0 +1,221 @@
+"""``zos serve``: transformers' OpenAI-compatible server (``transformers serve
+--continuous-batching``) with zos on, against the same server without zos, through the real
+``openai`` client: chat and completion requests, streaming and not, 32 concurrent clients with
+mixed ``max_tokens``, streams closed mid-way by their clients. Greedy (temperature 0): every
+response equals the plain server's, is complete (its length what ``max_tokens`` or the
+end-of-sequence token says) and nothing is lost or duplicated; after the cancelled streams both
+servers still answer. Both servers run as subprocesses of their documented commands on a tiny
+random Llama with a tokenizer built here (no hub). Needs transformers 5.17.0 and its serving
+packages (the ``hf`` extra) and openai (``test`` extra)."""
+import os
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from helpers import require_transformers
+
+require_transformers()
+openai = pytest.importorskip("openai")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+COMMON = ["--device", DEVICE, "--dtype", "float32", "--attn-implementation", "sdpa",
+          "--cb-block-size", "16", "--cb-num-blocks", "256", "--cb-max-batch-tokens", "256",
+          "--host", "127.0.0.1", "--log-level", "warning"]
+
+
+def make_model_dir(path: str) -> None:
+    """A random LlamaForCausalLM with a byte-level BPE tokenizer and a chat template."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import (
+        GenerationConfig,
+        LlamaConfig,
+        LlamaForCausalLM,
+        PreTrainedTokenizerFast,
+    )
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<s>", "</s>", "<pad>", "<|user|>", "<|assistant|>", "<|system|>"]
+    tok.train_from_iterator(["Hello world, a tiny tokenizer for the server test.",
+                             "The quick brown fox jumps over the lazy dog."] * 20,
+                            trainers.BpeTrainer(vocab_size=300, special_tokens=specials,
+                                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    chat = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                     pad_token="<pad>", chat_template=chat)
+    hf_tok.save_pretrained(path)
+    cfg = LlamaConfig(vocab_size=len(hf_tok), hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=512, bos_token_id=hf_tok.bos_token_id,
+                      eos_token_id=hf_tok.eos_token_id, pad_token_id=hf_tok.pad_token_id)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg)
+    model.generation_config = GenerationConfig(bos_token_id=cfg.bos_token_id,
+                                               eos_token_id=cfg.eos_token_id,
+                                               pad_token_id=cfg.pad_token_id, do_sample=False)
+    model.save_pretrained(path)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """One server subprocess; ``log`` holds its stderr and stdout once stopped."""
+
+    def __init__(self, cmd, env, log_path):
+        self.port = free_port()
+        self.log_path = log_path
+        self._log = open(log_path, "w")
+        self.proc = subprocess.Popen([*cmd, "--port", str(self.port)], env=env,
+                                     stdout=self._log, stderr=subprocess.STDOUT)
+        self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="x",
+                                    timeout=300, max_retries=0)
+
+    def wait_ready(self, timeout=180):
+        import urllib.request
+
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited: {self.log()[-3000:]}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2):
+                    return
+            except OSError:
+                time.sleep(0.5)
+        raise RuntimeError(f"server not ready after {timeout} s: {self.log()[-3000:]}")
+
+    def log(self) -> str:
+        self._log.flush()
+        with open(self.log_path) as f:
+            return f.read()
+
+    def stop(self):
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self._log.close()
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    root = tmp_path_factory.mktemp("serve")
+    model_dir = str(root / "tiny-llama")
+    make_model_dir(model_dir)
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HUB_DISABLE_UPDATE_CHECK="1",
+               HF_HUB_CACHE=str(root / "hub"), PYTHONUNBUFFERED="1")
+    plain = Server([sys.executable, "-c", "import sys; from transformers.cli.transformers "
+                    "import main; sys.argv = ['transformers', 'serve', *sys.argv[1:]]; main()",
+                    model_dir, "--continuous-batching", *COMMON], env, root / "plain.log")
+    zos = Server([sys.executable, "-m", "zos.serving.cli", "serve", model_dir, *COMMON], env,
+                 root / "zos.log")
+    try:
+        plain.wait_ready()
+        zos.wait_ready()
+        yield model_dir, plain, zos
+    finally:
+        plain.stop()
+        zos.stop()
+
+
+def ask(server, model, kind, prompt, max_tokens, stream):
+    """(text, finish_reason, completion tokens or None) of one request."""
+    c = server.client
+    if kind == "chat":
+        kw = dict(model=model, messages=[{"role": "user", "content": prompt}],
+                  max_tokens=max_tokens, temperature=0)
+        if not stream:
+            r = c.chat.completions.create(**kw)
+            return r.choices[0].message.content, r.choices[0].finish_reason, \
+                r.usage.completion_tokens
+        text, finish = "", None
+        for chunk in c.chat.completions.create(stream=True, **kw):
+            if chunk.choices:
+                text += chunk.choices[0].delta.content or ""
+                finish = chunk.choices[0].finish_reason or finish
+        return text, finish, None
+    kw = dict(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0)
+    if not stream:
+        r = c.completions.create(**kw)
+        return r.choices[0].text, r.choices[0].finish_reason, r.usage.completion_tokens
+    text, finish = "", None
+    for chunk in c.completions.create(stream=True, **kw):
+        if chunk.choices:
+            text += chunk.choices[0].text or ""
+            finish = chunk.choices[0].finish_reason or finish
+    return text, finish, None
+
+
+def cancel_midway(server, model, prompt):
+    """Open a chat stream of 200 tokens, read 3 chunks, close it: the client goes away."""
+    stream = server.client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": prompt}], max_tokens=200,
+        temperature=0, stream=True)
+    for i, _ in enumerate(stream):
+        if i == 2:
+            break
+    stream.close()
+
+
+WORDS = "hello world the quick brown fox jumps over a lazy dog tiny server test".split()
+
+
+def workload(n=32):
+    """n requests: kind, prompt, max_tokens (3..25), stream; every combination appears."""
+    out = []
+    for i in range(n):
+        prompt = " ".join(WORDS[(i * 7 + j) % len(WORDS)] for j in range(2 + i % 9))
+        out.append(("chat" if i % 2 else "completion", prompt, 3 + (i * 5) % 23, i % 4 >= 2))
+    return out
+
+
+def test_zos_server_equals_transformers_server(servers):
+    model, plain, zos = servers
+    reqs = workload()
+
+    def run_all(server):
+        with ThreadPoolExecutor(max_workers=36) as pool:
+            cancels = [pool.submit(cancel_midway, server, model, f"cancel {i}") for i in range(4)]
+            futs = [pool.submit(ask, server, model, *r) for r in reqs]
+            results = [f.result() for f in futs]
+            for f in cancels:
+                f.result()
+        return results
+
+    want = run_all(plain)
+    try:
+        got = run_all(zos)
+    except openai.APIError as e:
+        raise AssertionError(f"zos server: {e}; its log:\n{zos.log()[-6000:]}") from e
+    assert got == want
+    for (kind, prompt, max_tokens, _), (_, finish, n) in zip(reqs, got):
+        assert finish in ("length", "stop"), (kind, prompt, finish)
+        if n is not None:  # non-streaming: usage says how many tokens came
+            assert n == max_tokens if finish == "length" else n < max_tokens
+    # both still serve after the cancelled streams, and give the same answer again
+    again = [ask(s, model, "chat", "hello again", 9, True) for s in (plain, zos)]
+    assert again[0] == again[1]
+    log = zos.log()
+    assert "zos: serving the decode steps of" in log
+    assert "keeps transformers' own" not in log and "Traceback" not in log, log[-3000:]
+
+
+def test_zos_serve_refuses_what_is_not_a_local_model_directory(tmp_path):
+    from zos.serving.cli import main
+
+    assert main(["serve", "HuggingFaceTB/SmolLM2-135M-Instruct"]) == 2
+    assert main(["serve"]) == 2
+    assert main(["serve", str(tmp_path)]) == 2  # a directory without config.json
