@@ -26,10 +26,10 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402  (after the variable)
+
 
 def _is_interpreted(kernel) -> bool:
-    from triton.runtime.interpreter import InterpretedFunction
-
     return isinstance(kernel, InterpretedFunction)
 
 
