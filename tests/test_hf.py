@@ -340,7 +340,7 @@ def test_fastest_mode_fills_only_what_the_user_left_open():
     the caller's config object is never changed."""
     from transformers import CompileConfig
 
-    from zos.integrations.transformers import _fastest_mode
+    from zos.integrations.hf_manager import fastest_mode as _fastest_mode
 
     class Model:
         def __init__(self, kind):

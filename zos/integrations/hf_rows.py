@@ -13,7 +13,14 @@ state of the last zos step, and the three calls of a zos decode step inside tran
   refused;
 * :meth:`ZosDecodeRows.in_graph` (device, inside the step's CUDA graph when transformers
   captures one): the previous step's sampled tokens into ``buffers.sampled``, the prep
-  kernels, and the tokens still in flight for rows new to zos (asynchronous batching).
+  kernels, the logits row each sampled row reads (``logits_rows``: row 0 past N, as
+  transformers pads), and the tokens still in flight for rows new to zos (asynchronous
+  batching).
+
+With ``ZosOptions(metadata_backend="host")`` the same steps go through
+:class:`~zos.host_backend.HostMetadataBackend` instead (the host-built baseline: rows rebuilt
+on the host, every field copied each step), everything else unchanged: zos's attention and
+whole-step graphs with host-built metadata, so a benchmark can tell what each part buys.
 
 transformers calls ``carry_over_tokens`` of its IO object first thing inside the function it
 captures (``ModelRunner._forward_process_and_sample``); the IOs route it to ``in_graph``, so one
@@ -30,6 +37,7 @@ import torch
 from zos.buckets import POLICIES
 from zos.buffers import DecodeBuffers, PaddingProfile, StepMetadata
 from zos.device_backend import DeviceMetadataBackend
+from zos.host_backend import HostMetadataBackend
 from zos.step import DecodeStep
 
 TMP_TOKEN_ID = -1  # transformers' placeholder for a token still being sampled (requests.py)
@@ -60,12 +68,13 @@ class ZosDecodeRows:
         config: the model's text config (``vocab_size``, ``max_position_embeddings``).
         max_requests: rows held (transformers' ``max_requests_per_batch``).
         device: the model's device.
-        stream: the compute stream (None on a CPU): the backend's ``stream``, where a stage
-            that waits for its ring slot places its fence.
+        stream: the compute stream (None on a CPU): where the stage's device work goes (the
+            device backend's ``stream``, where a stage that waits for its ring slot places its
+            fence; the host backend's copies; the carry map's copy).
         options: the model's ``ZosOptions``.
         graphed: whether transformers captures decode steps in CUDA graphs: zos's prep kernels
             then run inside those graphs (``capture_prep`` off); otherwise, on CUDA with a
-            bucket policy, zos replays its own prep graph per bucket.
+            bucket policy, zos replays its own prep graph per bucket (device backend only).
         async_carry: asynchronous batching: rows new to zos may carry a token still in flight,
             taken on the device from the previous batch's output.
 
@@ -92,12 +101,17 @@ class ZosDecodeRows:
             # then max_requests itself a bucket (as the engine's make_buckets).
             buckets = POLICIES[options.bucket_policy].build(max_requests).with_max(max_requests)
         cuda = device.type == "cuda"
-        self.backend = DeviceMetadataBackend(
-            self.buffers, num_kv_blocks=cache.num_blocks, vocab_size=config.vocab_size,
-            buckets=buckets, capture_prep=cuda and buckets is not None and not graphed,
-            stream=stream)
-        self.logits_indices = torch.arange(max_requests, dtype=torch.int32, device=device)
-        self._sampled_indices: dict[tuple[int, int], torch.Tensor] = {}
+        kw = dict(num_kv_blocks=cache.num_blocks, vocab_size=config.vocab_size, buckets=buckets)
+        self.host_built = options.metadata_backend == "host"
+        self.stream = stream
+        if self.host_built:  # carried rows' tokens gathered on the device, from ``sampled``
+            self.backend = HostMetadataBackend(self.buffers, input_ids_from_device=True, **kw)
+        else:
+            self.backend = DeviceMetadataBackend(
+                self.buffers, capture_prep=cuda and buckets is not None and not graphed,
+                stream=stream, **kw)
+        self._row_ids = torch.arange(max_requests, dtype=torch.int32, device=device)
+        self.logits_rows = torch.zeros(max_requests, dtype=torch.int32, device=device)
         self.carry = None
         if async_carry:  # -1: the row's token came with the record
             self.carry = torch.full((max_requests,), -1, dtype=torch.int32, device=device)
@@ -203,73 +217,87 @@ class ZosDecodeRows:
                           np.array(rw_flat, i32))
         return BuiltStep(step, rows, carry or None)
 
-    def stage(self, built: BuiltStep) -> StepMetadata:
+    def stage(self, built: BuiltStep, *, prev_output_ids: torch.Tensor | None = None
+              ) -> StepMetadata:
         """Validate, pack and upload ``built.step`` on the backend's stream; returns the
         step's metadata views (padded to its bucket). The device work is :meth:`in_graph`.
 
+        ``prev_output_ids``: transformers' output tensor of the previous batch (int32
+        ``[rows, max_batch_tokens + 1]``, on the device); only the host backend needs it here
+        (the device backend reads it in :meth:`in_graph`). The host backend's stage gathers
+        carried rows' tokens from ``buffers.sampled`` and copies every field: it gets
+        ``buffers.sampled`` from ``prev_output_ids`` here, and both go on the compute stream
+        (after the previous step, which may still read the buffers under asynchronous
+        batching, and before this one).
+
         Raises:
-            ValueError, TypeError: the packer refused the step (nothing was written).
+            ValueError, TypeError: the packer refused the step (nothing was written, except,
+                with the host backend, ``buffers.sampled``: a copy of the previous output that
+                every step rewrites); ValueError: the host backend got no ``prev_output_ids``.
         """
-        plan = self.backend.stage(built.step)
+        if self.host_built:
+            if prev_output_ids is None:
+                raise ValueError("prev_output_ids: the host backend stages from the previous "
+                                 "batch's output, got None")
+            with self._on_stream():
+                self.buffers.sampled.copy_(prev_output_ids[0, :self.buffers.max_num_reqs])
+                plan = self.backend.stage(built.step)
+        else:
+            plan = self.backend.stage(built.step)
         if built.carry is not None:
             host = self._carry_host[self._carry_turn]
             self._carry_turn ^= 1
             host.fill_(-1)
             rows, srcs = zip(*built.carry)
             host[list(rows)] = torch.tensor(srcs, dtype=torch.int32)
-            stream = self.backend.stream
-            with torch.cuda.stream(stream) if stream is not None else nullcontext():
+            with self._on_stream():
                 self.carry.copy_(host, non_blocking=True)
         self.prev = built.rows
         return self.backend.metadata(plan)
+
+    def _on_stream(self):
+        """The compute stream as the current stream (nothing on a CPU)."""
+        return torch.cuda.stream(self.stream) if self.stream is not None else nullcontext()
 
     def in_graph(self, md: StepMetadata, prev_output_ids: torch.Tensor) -> None:
         """The device part of a zos step, on the compute stream (captured with the model when
         transformers captures the step).
 
         Writes ``buffers.sampled`` (int32 [R]) from ``prev_output_ids[0, :R]`` (transformers'
-        int32 ``[rows, max_batch_tokens + 1]`` output of the previous batch: row i of a zos
-        step samples at logits index i), rebuilds the step's metadata in place (prep kernels),
-        then, for rows whose token was in flight, ``input_ids[row] = prev_output_ids[0, src]``
-        and resets those entries of the carry map to -1.
+        int32 ``[rows, max_batch_tokens + 1]`` output of the previous batch: row i of a zos step
+        samples at logits index i; the host backend's stage did it already), rebuilds the step's
+        metadata in place (prep kernels), writes ``logits_rows`` (int32 [R]: r for rows r < N, 0
+        past them; the static logits indices of :meth:`model_kwargs`), then, for rows whose
+        token was in flight, ``input_ids[row] = prev_output_ids[0, src]`` and resets those
+        entries of the carry map to -1.
         """
-        r = self.buffers.max_num_reqs
-        self.buffers.sampled.copy_(prev_output_ids[0, :r])
+        if not self.host_built:  # the host backend's stage did it
+            self.buffers.sampled.copy_(prev_output_ids[0, :self.buffers.max_num_reqs])
         self.backend.build(md.padded_size)
+        # the logits row each sampled row reads: its own below N, row 0 past it (transformers
+        # pads its logits_indices so): no dummy row reaches the processors or the sampler
+        torch.mul(self._row_ids, self._row_ids < md.counts[:1], out=self.logits_rows)
         if self.carry is not None:
             carry = self.carry[: md.padded_size]
             taken = prev_output_ids[0, carry.long()]  # -1 reads the static 0 at the end
             md.input_ids.copy_(torch.where(carry >= 0, taken, md.input_ids))
             carry.fill_(-1)
 
-    def sampled_indices(self, md: StepMetadata, num_sampled: int) -> torch.Tensor:
-        """int32 ``[num_sampled]``: the logits row each sampled row reads. Rows below
-        ``md.padded_size`` read their own; rows past it read row 0 (as transformers pads its
-        ``logits_indices``). One static tensor per (padded size, num_sampled): a captured graph
-        keeps reading it."""
-        key = (md.padded_size, num_sampled)
-        idx = self._sampled_indices.get(key)
-        if idx is None:
-            idx = torch.zeros(num_sampled, dtype=torch.int32, device=self.logits_indices.device)
-            k = min(num_sampled, md.padded_size)
-            idx[:k] = self.logits_indices[:k]
-            self._sampled_indices[key] = idx
-        return idx
-
     def model_kwargs(self, md: StepMetadata, cache, logits_processor_args,
                      num_sampled: int) -> dict:
         """The model's keyword arguments for a zos step (transformers' ``PagedAttentionArgs``
         names). The model runs ``md.padded_size`` rows; logits processors and the sampler run
         ``num_sampled`` rows, the count transformers' own IOs would sample for this batch
-        (``ContinuousBatchingIOs._get_num_sequences``): the sampler draws random numbers for
-        every element of its ``[num_sampled, vocab]`` probabilities, so with the same rows a
-        seeded run samples the same tokens as transformers' (zos's buckets differ from
-        transformers' powers of two). ``logits_processor_args``: transformers' per-request
-        processor arguments, at least ``num_sampled`` columns."""
+        (``ContinuousBatchingIOs._get_num_sequences``), rows past N reading row 0's logits as
+        transformers' padded rows do (``logits_rows``, written in :meth:`in_graph`): the sampler
+        draws random numbers for every element of its ``[num_sampled, vocab]`` probabilities,
+        so with the same rows and inputs a seeded run samples the same tokens as transformers'
+        (zos's buckets differ from transformers' padded sizes). ``logits_processor_args``:
+        transformers' per-request processor arguments, at least ``num_sampled`` columns."""
         return dict(input_ids=md.input_ids.unsqueeze(0), position_ids=md.positions.unsqueeze(0),
                     cu_seq_lens_q=md.query_start_loc, cu_seq_lens_k=md.query_start_loc,
                     max_seqlen_q=1, max_seqlen_k=1,
-                    logits_indices=self.sampled_indices(md, num_sampled),
+                    logits_indices=self.logits_rows[:num_sampled],
                     logits_processor_args=logits_processor_args[:, :num_sampled],
                     attention_mask=None, read_index=[], write_index=[], cache=cache,
                     block_table=None, use_cache=False, zos_metadata=md)

@@ -6,19 +6,20 @@ step's inputs in ``ContinuousBatchingIOs.prepare_batch_tensors`` (a Python loop 
 requests, one ``torch.tensor`` + copy per field), the model reads them through
 ``get_model_kwargs``, and the function its model runner runs or captures in a CUDA graph
 (``_forward_process_and_sample``: forward, logits processors, sampling) first calls the IO
-object's ``carry_over_tokens``. :func:`enable_zos` wraps ``ContinuousBatchingManager``'s
-``__init__`` (zos's fastest mode where the user left the choice to transformers: CUDA graphs
-and asynchronous batching on CUDA), ``_create_batch_processor`` (the processor gets zos's IOs,
-:mod:`zos.integrations.hf_ios`, in place of transformers' synchronous or asynchronous ones) and
-``switch_to_cb_friendly_attn`` (the model runs on ``paged|sdpa``, never flash, and gets its own
-attention back when the manager stops: ``enable_zos`` leaves the model as it is), and registers
-one dispatcher as ``"paged|sdpa"`` and ``"paged|zos"`` in ``AttentionInterface`` (zos's decode
-for zos's steps, transformers' ``paged|sdpa`` otherwise). Everything else is transformers': its
-scheduler, block manager, offloading, graph capture and store, streams and double-buffered IO
-pairs, logits processors, sampler and output handling. The batch order is transformers' (row i
-of a step is ``requests_in_batch[i]``). Working inside transformers' graph machinery rather than
-a graph cache of zos's own keeps one graph store, one memory pool and transformers' capture
-rules, and leaves transformers' prefill graphs as they are.
+object's ``carry_over_tokens``. :func:`enable_zos` wraps five methods of
+``ContinuousBatchingManager`` (:mod:`zos.integrations.hf_manager`: zos's fastest mode where the
+user left the choice to transformers, CUDA graphs and asynchronous batching on CUDA; zos's IOs,
+:mod:`zos.integrations.hf_ios`, in place of transformers' synchronous or asynchronous ones;
+``paged|sdpa``, never flash, with the model's own attention back when the manager stops;
+cancelled requests finished for the batch in flight; every decode graph of zos captured in the
+warm-up, which a manager with graphs runs before it starts), and registers one dispatcher
+as ``"paged|sdpa"`` and ``"paged|zos"`` in ``AttentionInterface`` (zos's decode for zos's
+steps, transformers' ``paged|sdpa`` otherwise). Everything else is transformers': its scheduler,
+block manager, offloading, graph capture and store, streams and double-buffered IO pairs, logits
+processors, sampler and output handling. The batch order is transformers' (row i of a step is
+``requests_in_batch[i]``). Working inside transformers' graph machinery rather than a graph cache
+of zos's own keeps one graph store, one memory pool and transformers' capture rules, and leaves
+transformers' prefill graphs as they are.
 
 Per step:
 
@@ -29,7 +30,8 @@ Per step:
   block; any other request is a new row with its token, position and block list), the packer
   validates it and writes its record into zos's staging ring (mapped host memory, a slot
   rewritten once the prep kernels' done word shows its build finished; no copy call). Inside the
-  step's graph (bucket ``("zos", padded size)`` in transformers' store, captured on first use):
+  step's graph (key ``("zos", padded size, sampled rows)`` in transformers' store, captured in
+  the warm-up):
   the previous batch's sampled tokens into ``buffers.sampled``, zos's prep kernels, the rows
   whose token is still in flight (asynchronous batching) from the previous output, the model
   with ``"paged|zos"`` attention (K/V written at ``slot_mapping``, zos's paged decode kernel
@@ -55,18 +57,20 @@ configs (every step of that run is transformers'). transformers 5.17.0 only; bea
 """
 from __future__ import annotations
 
-import copy
 import warnings
 from dataclasses import dataclass
 
 from zos.attention import paged_decode_attention_kv
 from zos.buckets import POLICIES
 from zos.buffers import StepMetadata
-from zos.integrations.hf_ios import zos_ios_classes
+from zos.integrations.hf_manager import (
+    ATTN_IMPLEMENTATION,
+    CB_ATTN_IMPLEMENTATION,
+    install_manager_hook,
+)
 
 SUPPORTED_TRANSFORMERS = "5.17.0"
-ATTN_IMPLEMENTATION = "paged|zos"
-CB_ATTN_IMPLEMENTATION = "paged|sdpa"  # what the manager runs a zos-enabled model on
+METADATA_BACKENDS = ("device", "host")
 _ACCEPTED_ATTN = ("sdpa", "paged|sdpa", ATTN_IMPLEMENTATION)
 
 
@@ -99,12 +103,20 @@ class ZosOptions:
             transformers' write-trash slot, read its zeroed read-trash block, and their sampled
             tokens are never read). With transformers' CUDA graphs on, each bucket's whole step
             is captured once and replayed; with them off, on CUDA, zos's prep kernels of each
-            bucket are. None: a zos step runs N rows (with graphs on, one graph per N).
+            bucket are. None: a zos step runs N rows (with graphs on, one graph per N, each
+            captured in the warm-up: ``max_requests_per_batch`` graphs per IO pair).
+        metadata_backend: ``"device"`` (default): :class:`~zos.DeviceMetadataBackend`, zos's
+            record and prep kernels. ``"host"``: :class:`~zos.HostMetadataBackend`, the same
+            steps with every field built on the host and copied (the host-built baseline),
+            everything else unchanged (zos's attention, graphs and buckets): for benchmarks
+            that tell what device-side metadata buys from what zos's attention and whole-step
+            graph buy.
     """
 
     max_num_blocks_per_req: int | None = None
     timings: list | None = None
     bucket_policy: str | None = "vllm"
+    metadata_backend: str = "device"
 
 
 def zos_paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
@@ -144,94 +156,6 @@ def zos_paged_attention(module, query, key, value, attention_mask, scaling=None,
     return out.unsqueeze(0), None
 
 
-def _fastest_mode(cb_config, model):
-    """``cb_config`` with what the user left to transformers (None) set to zos's fastest mode
-    on CUDA: CUDA graphs on the decode path (zos's decode steps: one replay each; prefill
-    eager, as transformers' own default for sdpa: its graphs there pad the 4-D mask) and
-    asynchronous batching on. transformers' own default for an attention that needs a mask is
-    both off. On the H200 (bench/bench_hf.py, 2026-12-01) this beat graphs on both paths at
-    16, 64 and 256 requests. The caller's config is not changed; on a CPU, or with compile
-    configs, it is returned as it is."""
-    cpu = model.device.type != "cuda"
-    compiled = (cb_config.varlen_compile_config is not None
-                or cb_config.decode_compile_config is not None)
-    if cpu or compiled or None not in (cb_config.use_cuda_graph, cb_config.use_async_batching):
-        return cb_config
-    cb_config = copy.deepcopy(cb_config)
-    if cb_config.use_cuda_graph is None:
-        cb_config.use_cuda_graph = (False, True)  # (varlen/prefill, decode)
-    if cb_config.use_async_batching is None:
-        cb_config.use_async_batching = True
-    return cb_config
-
-
-def _install_manager_hook() -> None:
-    """Wrap three ``ContinuousBatchingManager`` methods once (other models are untouched): for a
-    model with ``_zos_options``, ``__init__`` defaults to zos's fastest mode
-    (:func:`_fastest_mode`), ``_create_batch_processor`` gives the batch processor zos's IOs,
-    and ``switch_to_cb_friendly_attn`` runs the model on ``paged|sdpa`` (never flash) and
-    restores its attention when the manager stops, as transformers does."""
-    from transformers.generation.continuous_batching import continuous_api as api
-    manager = api.ContinuousBatchingManager
-    if getattr(manager._create_batch_processor, "_zos_hook", False):
-        return
-    original_init, original_create = manager.__init__, manager._create_batch_processor
-    original_switch = manager.switch_to_cb_friendly_attn
-
-    def __init__(self, model, generation_config, continuous_batching_config,
-                 workload_hints=None):
-        if getattr(model, "_zos_options", None) is not None:
-            continuous_batching_config = _fastest_mode(continuous_batching_config, model)
-        original_init(self, model, generation_config, continuous_batching_config,
-                      workload_hints)
-
-    def _create_batch_processor(self):
-        bp = original_create(self)
-        options = getattr(self.model, "_zos_options", None)
-        classes = zos_ios_classes()
-        if options is None or isinstance(bp.inputs_and_outputs, classes):
-            return bp
-        cfg = bp.cb_config
-        impl = self.model.config._attn_implementation
-        why = None
-        if cfg.varlen_compile_config is not None or cfg.decode_compile_config is not None:
-            why = "torch.compile configs are not supported"
-        elif impl not in (CB_ATTN_IMPLEMENTATION, ATTN_IMPLEMENTATION):
-            why = f"the manager runs this model on {impl!r}, not {CB_ATTN_IMPLEMENTATION!r}"
-        serves = why is None
-        if not serves:
-            warnings.warn(f"zos: {why}; this run keeps transformers' own path for every step",
-                          RuntimeWarning, stacklevel=2)
-        cls = classes[1] if bp.use_async_batching else classes[0]
-        ios = cls(cache=bp.cache, config=bp.config, continuous_batching_config=cfg,
-                  device=bp.model_device, model_dtype=bp.model_dtype,
-                  logit_processor=bp.logit_processor, options=options, serves=serves)
-        bp.inputs_and_outputs = ios
-        bp.model_runner.inputs_and_outputs = ios
-        # offloads and restores must stay ordered with the steps that read their blocks
-        bp.offloading_manager._compute_stream = ios.compute_stream
-        return bp
-
-    def switch_to_cb_friendly_attn(self, model):
-        """transformers' switch for other models; a zos-enabled model goes to ``paged|`` + its
-        attention (``sdpa`` -> ``paged|sdpa``), never to a flash one (zos decodes over the
-        sdpa-shaped cache), and, as transformers does, gets its own back when the manager
-        stops."""
-        if getattr(model, "_zos_options", None) is None:
-            return original_switch(self, model)
-        impl = model.config._attn_implementation
-        if not impl.startswith("paged|"):
-            model.set_attn_implementation(f"paged|{impl}")
-            self._original_attn_impl = impl
-        return None
-
-    for fn in (__init__, _create_batch_processor, switch_to_cb_friendly_attn):
-        fn._zos_hook = True
-    manager.__init__ = __init__
-    manager._create_batch_processor = _create_batch_processor
-    manager.switch_to_cb_friendly_attn = switch_to_cb_friendly_attn
-
-
 def _triton_interpreted() -> bool:
     """Whether triton.language's own jit functions run in the interpreter (set at its import)."""
     import triton.language as tl
@@ -266,7 +190,7 @@ def enable_zos(model, options: ZosOptions | None = None) -> bool:
     Raises:
         RuntimeError: transformers is not 5.17.0; or, on a CPU, triton was imported before zos
             (its interpreter is then off).
-        ValueError: an unknown ``options.bucket_policy``.
+        ValueError: an unknown ``options.bucket_policy`` or ``options.metadata_backend``.
         TypeError: options is not a ZosOptions.
     """
     tf = _transformers()
@@ -276,6 +200,9 @@ def enable_zos(model, options: ZosOptions | None = None) -> bool:
     if options.bucket_policy is not None and options.bucket_policy not in POLICIES:
         raise ValueError(f"options.bucket_policy must be None or one of {list(POLICIES)}, got "
                          f"{options.bucket_policy!r}")
+    if options.metadata_backend not in METADATA_BACKENDS:
+        raise ValueError(f"options.metadata_backend must be one of {METADATA_BACKENDS}, got "
+                         f"{options.metadata_backend!r}")
     why = unsupported(model)
     if why is not None:
         warnings.warn(f"zos: {why}; this model keeps transformers' own continuous batching",
@@ -290,7 +217,7 @@ def enable_zos(model, options: ZosOptions | None = None) -> bool:
     # zos's decode, otherwise exactly transformers' ``paged|sdpa``; other models see no change.
     tf.AttentionInterface.register(ATTN_IMPLEMENTATION, zos_paged_attention)
     tf.AttentionInterface.register(CB_ATTN_IMPLEMENTATION, zos_paged_attention)
-    _install_manager_hook()
+    install_manager_hook()
     model._zos_options = options
     return True
 

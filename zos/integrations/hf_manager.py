@@ -1,0 +1,245 @@
+"""What zos changes in transformers 5.17's ``ContinuousBatchingManager`` for a zos-enabled model
+(a model with ``_zos_options``; managers of other models are untouched).
+
+:func:`install_manager_hook` wraps five of its methods once per process:
+
+* ``__init__``: what the user left to transformers (None) becomes zos's fastest mode
+  (:func:`fastest_mode`);
+* ``_create_batch_processor``: the batch processor gets zos's IOs
+  (:mod:`zos.integrations.hf_ios`) and its scheduler finishes cancelled requests
+  (:func:`finish_cancelled`);
+* ``switch_to_cb_friendly_attn``: the model runs on ``paged|sdpa``, never flash;
+* ``warmup``: transformers' warm-up, then one decode batch per graph key of zos's
+  (:func:`zos_warmup_counts`), per IO pair: every decode graph of zos is captured there, none
+  during a user's requests (transformers' own decode warm-up runs only for its block-table
+  path, which sdpa has not);
+* ``start``: a manager with decode graphs whose batch processor zos serves and that was not
+  warmed up (or whose processor is new) warms up first (transformers' server starts its manager
+  without a warm-up), leaving the random number generators as they were; a failed warm-up is
+  recorded as the manager's fatal error (the server then answers 503) and raised.
+"""
+from __future__ import annotations
+
+import copy
+import warnings
+
+import torch
+
+from zos.integrations.hf_ios import zos_ios_classes
+
+CB_ATTN_IMPLEMENTATION = "paged|sdpa"  # what the manager runs a zos-enabled model on
+ATTN_IMPLEMENTATION = "paged|zos"
+
+
+def fastest_mode(cb_config, model):
+    """``cb_config`` with what the user left to transformers (None) set to zos's fastest mode
+    on CUDA: CUDA graphs on the decode path (zos's decode steps: one replay each; prefill
+    eager, as transformers' own default for sdpa: its graphs there pad the 4-D mask) and
+    asynchronous batching on. transformers' own default for an attention that needs a mask is
+    both off. On the H200 (bench/bench_hf.py, 2026-12-01, bench/NOTES.md) this beat graphs on
+    both paths at 16, 64 and 256 requests. The caller's config is not changed; on a CPU, or
+    with compile configs, it is returned as it is."""
+    cpu = model.device.type != "cuda"
+    compiled = (cb_config.varlen_compile_config is not None
+                or cb_config.decode_compile_config is not None)
+    if cpu or compiled or None not in (cb_config.use_cuda_graph, cb_config.use_async_batching):
+        return cb_config
+    cb_config = copy.deepcopy(cb_config)
+    if cb_config.use_cuda_graph is None:
+        cb_config.use_cuda_graph = (False, True)  # (varlen/prefill, decode)
+    if cb_config.use_async_batching is None:
+        cb_config.use_async_batching = True
+    return cb_config
+
+
+def finish_cancelled(scheduler) -> None:
+    """Make ``scheduler.clear_cancelled_requests`` mark each request it removes FINISHED.
+
+    transformers removes a cancelled request from its queues and frees its blocks at the start
+    of the next ``prepare_next_batch``, but leaves its status as it was (DECODING). Under
+    asynchronous batching that batch is prepared while the previous one, which holds the
+    request, is still in flight; its ``update_batch`` then treats the request as live: it
+    appends a token to a cancelled request, delivers its output, and, where a block of the
+    request filled up in that batch, looks the request up in the block table it has left
+    (``KeyError`` in ``mark_shareable_blocks_as_complete``: the manager's thread dies and every
+    later request fails). A FINISHED request is what ``update_batch`` already skips under
+    asynchronous batching (it consumes its token); transformers' own offloading marks the
+    states it drops that way. Synchronous batching never updates a batch after the next one is
+    prepared, so nothing changes there."""
+    from transformers.generation.continuous_batching.requests import RequestStatus
+
+    clear = scheduler.clear_cancelled_requests
+
+    def clear_cancelled_requests():
+        states = clear()
+        for state in states:
+            state._status = RequestStatus.FINISHED  # as the offloading's soft reset: no setter
+        return states
+
+    scheduler.clear_cancelled_requests = clear_cancelled_requests
+
+
+def zos_warmup_counts(backend, max_requests: int, padded_q) -> list[int]:
+    """Request counts of decode warm-ups that capture every graph key a zos decode step of 1 ..
+    ``max_requests`` requests can use: ``("zos", padded size, sampled rows)``, the padded size
+    from ``backend``'s buckets (n itself without a bucket policy: one key per n), the sampled
+    rows transformers' row count for the batch, ``min(padded_q(n), max_requests)``
+    (``padded_q``: transformers' padded query tokens of a decode batch of n requests,
+    ``ModelRunner.maybe_pad_inputs``: for sdpa a multiple of its ``q_padding_interval_size``).
+    One count per key, the largest n with that key, in increasing order."""
+    largest = {}
+    for n in range(1, max_requests + 1):
+        largest[backend.plan(n).padded_size, min(padded_q(n), max_requests)] = n
+    return sorted(largest.values())
+
+
+def _warmup_step(bp, model, n: int, fast: bool) -> None:
+    """One decode batch of ``n`` warm-up requests of one KV block each through ``bp``, as the
+    scheduler would hand it over (decode fast path ``fast``, transformers' padding), then its
+    blocks freed: with graphs on, the batch's graph is captured (or replayed if it exists).
+    transformers' ``run_one_warmup`` pads decode batches as its block-table path does, which a
+    batch of a model without that path (sdpa) never takes."""
+    from transformers.generation.continuous_batching.requests import RequestStatus
+    from transformers.generation.continuous_batching.utils import create_warmup_future_states
+
+    cache, runner, ios = bp.cache, bp.model_runner, bp.inputs_and_outputs
+    past = cache.block_size - 1  # the query token is the block's last
+    states = create_warmup_future_states(n, RequestStatus.DECODING, 1, past, cache)
+    try:
+        if len(states) < n:
+            raise RuntimeError(f"zos: no KV blocks for a warm-up batch of {n} requests")
+        q, kv = runner.maybe_pad_inputs(n, past, fast)
+        ios.prepare_batch_tensors(states, bp.logit_processor, fast, q, kv, use_padding=True)
+        runner.compute_batch(model, ios.get_model_kwargs(use_padding=True))
+    finally:
+        for fs in states:
+            cache.free_blocks(fs.state.request_id)
+
+
+def _warm_up_zos(bp, model) -> None:
+    """Capture every decode graph of zos (:func:`zos_warmup_counts`) on each IO pair of ``bp``
+    (a ``ContinuousBatchProcessor`` with zos's IOs and decode graphs), with the random number
+    generators' state restored after them: a warm-up samples (the eager run before each
+    capture), and a seeded run must draw what transformers' own would after its warm-up. Keys
+    of more requests than the KV cache has free blocks are left to their first use, with a
+    RuntimeWarning.
+
+    Raises:
+        whatever a capture raises (transformers logs its own warm-up's errors and goes on; a
+        failed capture leaves CUDA's generator unusable for the process, so zos does not hide
+        one).
+    """
+    ios, runner = bp.inputs_and_outputs, bp.model_runner
+    if ios.zos is None or not runner.use_cuda_graph_decode:
+        return
+    fast = bp.cache.max_blocks_per_request > 0  # what the scheduler says of a short decode batch
+    max_requests = ios.zos.buffers.max_num_reqs
+
+    def padded_q(n):
+        return runner.maybe_pad_inputs(n, bp.cache.block_size - 1, fast)[0]
+
+    counts = zos_warmup_counts(ios.zos.backend, max_requests, padded_q)
+    free = bp.cache.get_num_free_blocks()
+    if counts and counts[-1] > free:
+        warnings.warn(f"zos: the KV cache has {free} free blocks, so decode graphs of more "
+                      f"requests ({[n for n in counts if n > free]}) are captured on first use",
+                      RuntimeWarning, stacklevel=3)
+        counts = [n for n in counts if n <= free]
+    pairs = getattr(ios, "io_pairs", None)
+    with torch.random.fork_rng(devices=[bp.model_device]):
+        for _ in range(len(pairs) if pairs else 1):
+            for n in counts:
+                _warmup_step(bp, model, n, fast)
+            if pairs:
+                ios.swap_io_pairs()
+
+
+def install_manager_hook() -> None:
+    """Wrap ``ContinuousBatchingManager``'s methods once (module docstring)."""
+    from transformers.generation.continuous_batching import continuous_api as api
+    manager = api.ContinuousBatchingManager
+    if getattr(manager._create_batch_processor, "_zos_hook", False):
+        return
+    original_init, original_create = manager.__init__, manager._create_batch_processor
+    original_switch, original_warmup = manager.switch_to_cb_friendly_attn, manager.warmup
+    original_start = manager.start
+
+    def zos_on(model) -> bool:
+        return getattr(model, "_zos_options", None) is not None
+
+    def __init__(self, model, generation_config, continuous_batching_config,
+                 workload_hints=None):
+        if zos_on(model):
+            continuous_batching_config = fastest_mode(continuous_batching_config, model)
+        original_init(self, model, generation_config, continuous_batching_config,
+                      workload_hints)
+
+    def _create_batch_processor(self):
+        bp = original_create(self)
+        options = getattr(self.model, "_zos_options", None)
+        classes = zos_ios_classes()
+        if options is None or isinstance(bp.inputs_and_outputs, classes):
+            return bp
+        cfg = bp.cb_config
+        impl = self.model.config._attn_implementation
+        why = None
+        if cfg.varlen_compile_config is not None or cfg.decode_compile_config is not None:
+            why = "torch.compile configs are not supported"
+        elif impl not in (CB_ATTN_IMPLEMENTATION, ATTN_IMPLEMENTATION):
+            why = f"the manager runs this model on {impl!r}, not {CB_ATTN_IMPLEMENTATION!r}"
+        serves = why is None
+        if not serves:
+            warnings.warn(f"zos: {why}; this run keeps transformers' own path for every step",
+                          RuntimeWarning, stacklevel=2)
+        cls = classes[1] if bp.use_async_batching else classes[0]
+        ios = cls(cache=bp.cache, config=bp.config, continuous_batching_config=cfg,
+                  device=bp.model_device, model_dtype=bp.model_dtype,
+                  logit_processor=bp.logit_processor, options=options, serves=serves)
+        bp.inputs_and_outputs = ios
+        bp.model_runner.inputs_and_outputs = ios
+        # offloads and restores must stay ordered with the steps that read their blocks
+        bp.offloading_manager._compute_stream = ios.compute_stream
+        finish_cancelled(bp.scheduler)
+        return bp
+
+    def switch_to_cb_friendly_attn(self, model):
+        """transformers' switch for other models; a zos-enabled model goes to ``paged|`` + its
+        attention (``sdpa`` -> ``paged|sdpa``), never to a flash one (zos decodes over the
+        sdpa-shaped cache), and, as transformers does, gets its own back when the manager
+        stops."""
+        if not zos_on(model):
+            return original_switch(self, model)
+        impl = model.config._attn_implementation
+        if not impl.startswith("paged|"):
+            model.set_attn_implementation(f"paged|{impl}")
+            self._original_attn_impl = impl
+        return None
+
+    def warmup(self):
+        original_warmup(self)
+        if zos_on(self.model):
+            _warm_up_zos(self.batch_processor, self.model)
+
+    def start(self):
+        if (zos_on(self.model) and not self.is_running()
+                and self.continuous_batching_config.cuda_graph_booleans[1]):
+            fresh = self.batch_processor is None  # a new processor has no graph
+            if fresh:  # created outside the fork below: it seeds the generators (set_tp_seed)
+                self.batch_processor = self._create_batch_processor()
+            if self.batch_processor.inputs_and_outputs.zos is not None and (
+                    fresh or not self.warmed_up):
+                try:
+                    with torch.random.fork_rng(devices=[self.model.device]):  # tf runs none
+                        self.warmup()
+                except Exception as e:  # the server must see a dead manager, not a silent one
+                    self.background_thread_status.record_fatal_error(e)
+                    raise
+        return original_start(self)
+
+    hooks = dict(__init__=__init__, _create_batch_processor=_create_batch_processor,
+                 switch_to_cb_friendly_attn=switch_to_cb_friendly_attn, warmup=warmup,
+                 start=start)
+    for name, fn in hooks.items():
+        fn._zos_hook = True
+        fn.__doc__ = fn.__doc__ or getattr(manager, name).__doc__
+        setattr(manager, name, fn)
