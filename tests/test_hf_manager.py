@@ -25,6 +25,7 @@ from test_hf import (  # noqa: E402
     reference,
     tiny_llama,
 )
+from test_hf_sampling import manager_results  # noqa: E402
 from transformers import ContinuousBatchingConfig  # noqa: E402
 from transformers.generation.continuous_batching.requests import (  # noqa: E402
     RequestState,
@@ -163,23 +164,9 @@ def test_every_zos_decode_graph_is_captured_in_the_warmup(graph_keys, asynchrono
     new = [3 + (5 * i) % 11 for i in range(28)]
     cb = cb_config(use_cuda_graph=(False, True), use_async_batching=asynchronous,
                    max_requests_per_batch=32, max_batch_tokens=512, num_blocks=256)
-    enable_zos(model, ZosOptions(bucket_policy="vllm"))
-    got = {}
-    try:
-        manager = model.init_continuous_batching(generation_config=gen_config(16),
-                                                 continuous_batching_config=cb)
-        manager.start()
-        graph_keys.append("run")
-        for i, (p, n) in enumerate(zip(inputs, new)):
-            manager.add_request(p, request_id=f"r{i}", max_new_tokens=n)
-        while len(got) < len(inputs):
-            res = manager.get_result(timeout=120)
-            assert res is not None and res.error is None
-            if res.is_finished():
-                got[res.request_id] = res.generated_tokens
-        manager.stop(block=True)
-    finally:
-        disable_zos(model)
+    got = manager_results(model, gen_config(16), cb, True, 0,
+                          [(p, dict(max_new_tokens=n)) for p, n in zip(inputs, new)],
+                          len(inputs), after_start=lambda: graph_keys.append("run"))
     split = graph_keys.index("run")
     warm, run = graph_keys[:split], graph_keys[split + 1:]
     zos_warm = [k for k in warm if k[0] == "zos"]

@@ -116,9 +116,10 @@ def test_logprobs_equal_transformers(mode):
                                    rtol=1e-5, atol=1e-5)
 
 
-def manager_results(model, gen, cb, zos, seed, requests, expect):
+def manager_results(model, gen, cb, zos, seed, requests, expect, after_start=None):
     """{request id: tokens} of ``expect`` finished requests (forks included) of a manager fed
-    ``requests`` ([(prompt, add_request kwargs)]) after ``torch.manual_seed(seed)``."""
+    ``requests`` ([(prompt, add_request kwargs)]) after ``torch.manual_seed(seed)``;
+    ``after_start``: called once the manager has started, before the first request."""
     if zos:
         enable_zos(model, ZosOptions(bucket_policy="vllm"))
     torch.manual_seed(seed)
@@ -127,6 +128,8 @@ def manager_results(model, gen, cb, zos, seed, requests, expect):
         manager = model.init_continuous_batching(generation_config=gen,
                                                  continuous_batching_config=cb)
         manager.start()
+        if after_start is not None:
+            after_start()
         for i, (p, kw) in enumerate(requests):
             manager.add_request(p, request_id=f"r{i}", **kw)
         while len(got) < expect:

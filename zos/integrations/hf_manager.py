@@ -26,6 +26,7 @@ import warnings
 import torch
 
 from zos.integrations.hf_ios import zos_ios_classes
+from zos.integrations.hf_rows import num_sampled
 
 CB_ATTN_IMPLEMENTATION = "paged|sdpa"  # what the manager runs a zos-enabled model on
 ATTN_IMPLEMENTATION = "paged|zos"
@@ -83,13 +84,15 @@ def zos_warmup_counts(backend, max_requests: int, padded_q) -> list[int]:
     """Request counts of decode warm-ups that capture every graph key a zos decode step of 1 ..
     ``max_requests`` requests can use: ``("zos", padded size, sampled rows)``, the padded size
     from ``backend``'s buckets (n itself without a bucket policy: one key per n), the sampled
-    rows transformers' row count for the batch, ``min(padded_q(n), max_requests)``
-    (``padded_q``: transformers' padded query tokens of a decode batch of n requests,
-    ``ModelRunner.maybe_pad_inputs``: for sdpa a multiple of its ``q_padding_interval_size``).
-    One count per key, the largest n with that key, in increasing order."""
+    rows transformers' row count for the batch (:func:`~zos.integrations.hf_rows.num_sampled` of
+    ``padded_q(n)``; ``padded_q``: transformers' padded query tokens of a decode batch of n
+    requests, ``ModelRunner.maybe_pad_inputs``: for sdpa a multiple of its
+    ``q_padding_interval_size``). One count per key, the largest n with that key, in increasing
+    order."""
     largest = {}
     for n in range(1, max_requests + 1):
-        largest[backend.plan(n).padded_size, min(padded_q(n), max_requests)] = n
+        sampled = num_sampled(range(n), padded_q(n), max_requests, use_padding=True)
+        largest[backend.plan(n).padded_size, sampled] = n
     return sorted(largest.values())
 
 
