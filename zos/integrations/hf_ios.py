@@ -17,8 +17,10 @@ batches only (:class:`~zos.integrations.hf_rows.ZosDecodeRows` says which):
   size with graphs, N without), so a seeded sampling run draws the same random numbers and
   samples the same tokens as transformers' (``ZosDecodeRows.model_kwargs``).
 
-Prefill and mixed batches are transformers' own methods, unchanged. Classes are built on first
-use so that importing zos needs no transformers.
+Prefill and mixed batches are transformers' own methods, unchanged; under ``"paged|zos"``
+transformers builds no 4-D mask for them: zos's varlen attention reads its ``cu_seq_lens_*``
+and cache indices instead (:func:`zos.integrations.transformers.zos_paged_attention`).
+Classes are built on first use so that importing zos needs no transformers.
 """
 from __future__ import annotations
 
@@ -46,19 +48,6 @@ def _bookkeeping(io, requests, logits_processors) -> None:
     if logits_processors.tensors_required:
         logits_processors.prepare_tensor_args(
             requests_in_batch=requests, arg_storage=io._bulk_input_tensor[io.static_inputs:])
-
-
-def _allocate_mask(io) -> None:
-    """transformers allocates the 4-D mask of its sdpa path only for its own attention names;
-    ``"paged|zos"`` runs that path for prefill and mixed batches, so allocate it here."""
-    if io.attention_mask is not None:
-        return
-    n = io.cache.max_batch_tokens
-    shape = (1, 1, n, io.cache.num_blocks * io.cache.block_size + n)
-    pin = io.device.type == "cpu" and torch.cuda.is_available()
-    io.attention_mask = {t: torch.empty(shape, dtype=io.model_dtype, device=io.device,
-                                        pin_memory=pin) for t in io.cumulative_seqlens_k}
-    io._reset_static_tensors(full_reset=True)
 
 
 def _build_step(zos, requests, prev_positions):
@@ -96,8 +85,8 @@ def _build():
     class ZosIOs(ContinuousBatchingIOs):
         """transformers' synchronous IOs with zos's decode steps (module docstring). Same
         arguments as the base, plus ``options`` (``ZosOptions``) and ``serves`` (False: every
-        step is transformers' own, e.g. under torch.compile configs; the IOs still allocate
-        the mask that transformers' sdpa path needs under ``"paged|zos"``).
+        step is transformers' own, e.g. under torch.compile configs, which run the model on
+        transformers' ``"paged|sdpa"``).
 
         Raises:
             ValueError: the cache has more than one layer group (sliding-window layers).
@@ -105,7 +94,6 @@ def _build():
 
         def __init__(self, *, options, serves: bool = True, **kw) -> None:
             super().__init__(**kw)
-            _allocate_mask(self)
             self.zos_options = options
             self.zos = _zos_rows(serves, dict(kw, options=options), self.max_requests_per_batch,
                                  self.compute_stream, async_carry=False)
@@ -171,9 +159,6 @@ def _build():
 
         def __init__(self, *, options, serves: bool = True, **kw) -> None:
             super().__init__(**kw)
-            for pair in self.io_pairs:
-                _allocate_mask(pair.host_io)
-                _allocate_mask(pair.device_io)
             self.zos_options = options
             self.cache = kw["cache"]
             self.zos = _zos_rows(serves, dict(kw, options=options),

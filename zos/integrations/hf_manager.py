@@ -8,7 +8,9 @@
 * ``_create_batch_processor``: the batch processor gets zos's IOs
   (:mod:`zos.integrations.hf_ios`) and its scheduler finishes cancelled requests
   (:func:`finish_cancelled`);
-* ``switch_to_cb_friendly_attn``: the model runs on ``paged|sdpa``, never flash;
+* ``switch_to_cb_friendly_attn``: the model runs on ``paged|zos`` (zos's decode for zos's
+  steps, zos's varlen attention for prefill and mixed ones: transformers builds no mask for
+  that name), never flash; with torch.compile configs on ``paged|sdpa``, transformers' own;
 * ``warmup``: transformers' warm-up, then one decode batch per graph key of zos's
   (:func:`zos_warmup_counts`), per IO pair: every decode graph of zos is captured there, none
   during a user's requests (transformers' own decode warm-up runs only for its block-table
@@ -28,18 +30,18 @@ import torch
 from zos.integrations.hf_ios import zos_ios_classes
 from zos.integrations.hf_rows import num_sampled
 
-CB_ATTN_IMPLEMENTATION = "paged|sdpa"  # what the manager runs a zos-enabled model on
-ATTN_IMPLEMENTATION = "paged|zos"
+CB_ATTN_IMPLEMENTATION = "paged|sdpa"  # transformers' own: dense attention under its 4-D mask
+ATTN_IMPLEMENTATION = "paged|zos"  # what the manager runs a zos-enabled model on
 
 
 def fastest_mode(cb_config, model):
     """``cb_config`` with what the user left to transformers (None) set to zos's fastest mode
-    on CUDA: CUDA graphs on the decode path (zos's decode steps: one replay each; prefill
-    eager, as transformers' own default for sdpa: its graphs there pad the 4-D mask) and
-    asynchronous batching on. transformers' own default for an attention that needs a mask is
-    both off. On the H200 (bench/bench_hf.py, 2026-12-01, bench/NOTES.md) this beat graphs on
-    both paths at 16, 64 and 256 requests. The caller's config is not changed; on a CPU, or
-    with compile configs, it is returned as it is."""
+    on CUDA: CUDA graphs on the decode path (zos's decode steps: one replay each; prefill and
+    mixed steps eager, as transformers' own default for sdpa) and asynchronous batching on.
+    transformers' own default for an attention that needs a mask is both off. On the H200
+    (bench/bench_hf.py, 2026-12-01, bench/NOTES.md, prefill then under transformers' mask)
+    this beat graphs on both paths at 16, 64 and 256 requests. The caller's config is not
+    changed; on a CPU, or with compile configs, it is returned as it is."""
     cpu = model.device.type != "cuda"
     compiled = (cb_config.varlen_compile_config is not None
                 or cb_config.decode_compile_config is not None)
@@ -178,18 +180,24 @@ def install_manager_hook() -> None:
                       workload_hints)
 
     def _create_batch_processor(self):
-        bp = original_create(self)
         options = getattr(self.model, "_zos_options", None)
+        cfg = self.continuous_batching_config
+        compiled = (cfg.varlen_compile_config is not None
+                    or cfg.decode_compile_config is not None)
+        if (options is not None and compiled
+                and self.model.config._attn_implementation == ATTN_IMPLEMENTATION):
+            # every step of such a run is transformers': its own attention, with its mask
+            self.model.set_attn_implementation(CB_ATTN_IMPLEMENTATION)
+        bp = original_create(self)
         classes = zos_ios_classes()
         if options is None or isinstance(bp.inputs_and_outputs, classes):
             return bp
-        cfg = bp.cb_config
         impl = self.model.config._attn_implementation
         why = None
-        if cfg.varlen_compile_config is not None or cfg.decode_compile_config is not None:
+        if compiled:
             why = "torch.compile configs are not supported"
-        elif impl not in (CB_ATTN_IMPLEMENTATION, ATTN_IMPLEMENTATION):
-            why = f"the manager runs this model on {impl!r}, not {CB_ATTN_IMPLEMENTATION!r}"
+        elif impl != ATTN_IMPLEMENTATION:
+            why = f"the manager runs this model on {impl!r}, not {ATTN_IMPLEMENTATION!r}"
         serves = why is None
         if not serves:
             warnings.warn(f"zos: {why}; this run keeps transformers' own path for every step",
@@ -206,14 +214,17 @@ def install_manager_hook() -> None:
         return bp
 
     def switch_to_cb_friendly_attn(self, model):
-        """transformers' switch for other models; a zos-enabled model goes to ``paged|`` + its
-        attention (``sdpa`` -> ``paged|sdpa``), never to a flash one (zos decodes over the
+        """transformers' switch for other models; a zos-enabled model on ``sdpa`` or
+        ``paged|sdpa`` goes to ``paged|zos``, never to a flash attention (zos decodes over the
         sdpa-shaped cache), and, as transformers does, gets its own back when the manager
         stops."""
         if not zos_on(model):
             return original_switch(self, model)
         impl = model.config._attn_implementation
-        if not impl.startswith("paged|"):
+        if impl in ("sdpa", CB_ATTN_IMPLEMENTATION):
+            model.set_attn_implementation(ATTN_IMPLEMENTATION)
+            self._original_attn_impl = impl
+        elif not impl.startswith("paged|"):
             model.set_attn_implementation(f"paged|{impl}")
             self._original_attn_impl = impl
         return None

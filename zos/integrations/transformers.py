@@ -10,11 +10,12 @@ object's ``carry_over_tokens``. :func:`enable_zos` wraps five methods of
 ``ContinuousBatchingManager`` (:mod:`zos.integrations.hf_manager`: zos's fastest mode where the
 user left the choice to transformers, CUDA graphs and asynchronous batching on CUDA; zos's IOs,
 :mod:`zos.integrations.hf_ios`, in place of transformers' synchronous or asynchronous ones;
-``paged|sdpa``, never flash, with the model's own attention back when the manager stops;
+``paged|zos``, never flash, with the model's own attention back when the manager stops;
 cancelled requests finished for the batch in flight; every decode graph of zos captured in the
 warm-up, which a manager with graphs runs before it starts), and registers one dispatcher
 as ``"paged|sdpa"`` and ``"paged|zos"`` in ``AttentionInterface`` (zos's decode for zos's
-steps, transformers' ``paged|sdpa`` otherwise). Everything else is transformers': its scheduler,
+steps, zos's varlen attention for the other steps under ``paged|zos``, transformers'
+``paged|sdpa`` for a model on that name). Everything else is transformers': its scheduler,
 block manager, offloading, graph capture and store, streams and double-buffered IO pairs, logits
 processors, sampler and output handling. The batch order is transformers' (row i of a step is
 ``requests_in_batch[i]``). Working inside transformers' graph machinery rather than a graph cache
@@ -38,10 +39,11 @@ Per step:
   over transformers' per-layer K/V tensors viewed as ``[num_blocks + 2, block_size,
   num_kv_heads, head_dim]``, no copy), logits processors and sampling into transformers'
   ``output_ids``.
-* prefill or mixed: transformers' own methods and ``paged|sdpa`` attention (with its 4-D mask,
-  which zos's IOs allocate since transformers does so only for its own attention names). The
-  next zos step stages every row as new: 5 record words, 2 row words and the row's block ids per
-  request.
+* prefill or mixed: transformers' own methods build the step (its ``cu_seq_lens_q/k``,
+  ``read_index``, ``write_index``; no 4-D mask, which transformers builds for ``paged|sdpa``
+  only), and :func:`zos_paged_attention` runs zos's varlen attention
+  (:func:`zos.varlen_attention.varlen_attention`) over the cache in place. The next zos step
+  stages every row as new: 5 record words, 2 row words and the row's block ids per request.
 
 Block ids: transformers hands out blocks 0 .. num_blocks - 1 and keeps two blocks past them
 (``cache.read_trash_index``: a zeroed block never written; ``write_trash_index``: written by
@@ -68,6 +70,7 @@ from zos.integrations.hf_manager import (
     CB_ATTN_IMPLEMENTATION,
     install_manager_hook,
 )
+from zos.varlen_attention import varlen_attention
 
 SUPPORTED_TRANSFORMERS = "5.17.0"
 METADATA_BACKENDS = ("device", "host")
@@ -122,36 +125,54 @@ class ZosOptions:
 def zos_paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                         **kwargs):
     """zos's attention dispatcher, registered as ``"paged|sdpa"`` and ``"paged|zos"``
-    (transformers' ``AttentionInterface`` signature).
+    (transformers' ``AttentionInterface`` signature). Three cases:
 
-    With a ``zos_metadata`` kwarg (a decode step built by zos): writes this step's K/V
-    (``key``/``value``: ``[1, num_kv_heads, T, head_dim]``) into the layer's cache tensors of
-    ``cache`` (a ``PagedAttentionCache``: ``key_cache[j]`` ``[(num_blocks + 2) * block_size,
-    num_kv_heads, head_dim]``) at ``slot_mapping`` (int64 [T]; dummy rows: the write-trash
-    slot), in place, then returns the paged decode attention of ``query`` (``[1, num_heads, T,
-    head_dim]``) over ``block_table`` / ``seq_lens`` as ``([1, T, num_heads, head_dim], None)``.
-    Without it (prefill, mixed batches, any model zos does not run): transformers'
-    ``paged|sdpa``, unchanged (its mask, its error when called without a paged cache).
+    * a ``zos_metadata`` kwarg (a decode step built by zos): writes this step's K/V
+      (``key``/``value``: ``[1, num_kv_heads, T, head_dim]``) into the layer's cache tensors of
+      ``cache`` (a ``PagedAttentionCache``: ``key_cache[j]`` ``[(num_blocks + 2) * block_size,
+      num_kv_heads, head_dim]``) at ``slot_mapping`` (int64 [T]; dummy rows: the write-trash
+      slot), in place, then returns the paged decode attention of ``query`` (``[1, num_heads,
+      T, head_dim]``) over ``block_table`` / ``seq_lens``;
+    * no mask (``"paged|zos"``: transformers builds none for that name), a prefill or mixed step
+      of continuous batching: writes K/V at transformers' ``write_index`` as its
+      ``cache.update`` does, then :func:`zos.varlen_attention.varlen_attention` over
+      ``cu_seq_lens_q`` / ``cu_seq_lens_k``, keys read in place through transformers'
+      ``read_index`` (its ``write_index`` when the step reads no past: every request a first
+      chunk). transformers' ``paged|sdpa`` instead gathers every key of the batch, repeats KV
+      heads and runs dense attention under a ``[T, all keys]`` mask it fills and copies each
+      step;
+    * otherwise (a mask: a model on transformers' ``paged|sdpa``; no paged cache):
+      transformers' ``paged|sdpa``, unchanged (its mask, its error without a paged cache).
+
+    Returns ``([1, T, num_heads, head_dim], None)``.
 
     Raises:
         ValueError: the layer's group is not the cache's only group (sliding windows).
     """
     md: StepMetadata | None = kwargs.get("zos_metadata")
-    if md is None:
+    cache = kwargs.get("cache")
+    if md is None and (attention_mask is not None or cache is None):
         from transformers.integrations.sdpa_paged import sdpa_attention_paged_forward
         return sdpa_attention_paged_forward(module, query, key, value, attention_mask,
                                             dropout=dropout, scaling=scaling, **kwargs)
-    cache = kwargs["cache"]
     group, j = cache.layer_index_to_group_indices[module.layer_idx]
     if group != 0:
         raise ValueError(f"paged|zos: layer {module.layer_idx} is in cache group {group}; zos "
                          f"supports one full-attention group")
     kc, vc = cache.key_cache[j], cache.value_cache[j]
+    scale = float(scaling if scaling is not None else module.scaling)
+    q = query[0].transpose(0, 1)
+    if md is None:
+        write, read = kwargs["write_index"][group], kwargs["read_index"][group]
+        kc.index_copy_(0, write, key[0].transpose(0, 1))
+        vc.index_copy_(0, write, value[0].transpose(0, 1))
+        out = varlen_attention(q, kc, vc, read if read.numel() else write,
+                               kwargs["cu_seq_lens_q"], kwargs["cu_seq_lens_k"], scale)
+        return out.unsqueeze(0), None
     kc.index_copy_(0, md.slot_mapping, key[0].transpose(0, 1))
     vc.index_copy_(0, md.slot_mapping, value[0].transpose(0, 1))
     shape = (-1, cache.block_size, cache.num_key_value_heads, cache.head_dim)
-    scale = float(scaling if scaling is not None else module.scaling)
-    out = paged_decode_attention_kv(query[0].transpose(0, 1), kc.view(shape), vc.view(shape),
+    out = paged_decode_attention_kv(q, kc.view(shape), vc.view(shape),
                                     md.block_table, md.seq_lens, scale)
     return out.unsqueeze(0), None
 
@@ -167,12 +188,13 @@ def enable_zos(model, options: ZosOptions | None = None) -> bool:
     batches with zos, and decode through zos's paged attention.
 
     The model itself is not changed: transformers' manager switches it to a continuous-batching
-    attention when it starts and restores the original when it stops (``paged|sdpa`` for a
+    attention when it starts and restores the original when it stops (``paged|zos`` for a
     model loaded with ``sdpa``; a zos-enabled model is never switched to a flash attention), so
     ``model.generate()`` works before, between and after ``generate_batch`` runs. zos registers
     one dispatcher in ``AttentionInterface`` under ``"paged|sdpa"`` and ``"paged|zos"``: a
-    decode step prepared by zos (a ``zos_metadata`` kwarg) runs zos's paged decode, anything
-    else transformers' ``paged|sdpa``, unchanged (for every model in the process).
+    decode step prepared by zos (a ``zos_metadata`` kwarg) runs zos's paged decode, another
+    step under ``paged|zos`` zos's varlen attention, and a model on ``paged|sdpa``
+    transformers' own, unchanged (for every model in the process).
 
     Call before the manager is created (a manager cached with ``persistent_manager=True``
     keeps its IOs: destroy it first). :func:`disable_zos` undoes it.
@@ -214,7 +236,8 @@ def enable_zos(model, options: ZosOptions | None = None) -> bool:
                            "(its model classes import triton) on a machine without CUDA, or set "
                            "TRITON_INTERPRET=1 in the environment")
     # One dispatcher under both names: with a ``zos_metadata`` kwarg (only zos's IOs pass one)
-    # zos's decode, otherwise exactly transformers' ``paged|sdpa``; other models see no change.
+    # zos's decode; with transformers' mask (``paged|sdpa``) exactly transformers' attention,
+    # so other models see no change.
     tf.AttentionInterface.register(ATTN_IMPLEMENTATION, zos_paged_attention)
     tf.AttentionInterface.register(CB_ATTN_IMPLEMENTATION, zos_paged_attention)
     install_manager_hook()
@@ -225,8 +248,8 @@ def enable_zos(model, options: ZosOptions | None = None) -> bool:
 def unsupported(model) -> str | None:
     """Why zos cannot serve ``model``'s decode steps (one line), or None.
 
-    zos decodes with full attention over transformers' paged cache, and runs prefill through
-    transformers' ``paged|sdpa``: other attention implementations (``eager``, flash) and
+    zos decodes and prefills with full attention over transformers' paged cache: other
+    attention implementations (``eager``, flash) and
     models with sliding-window layers (e.g. Gemma 3's layout) keep transformers' path."""
     impl = model.config._attn_implementation
     if impl not in _ACCEPTED_ATTN:

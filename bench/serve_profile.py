@@ -1,0 +1,119 @@
+"""Where a server's time goes: runs ``zos serve`` or ``transformers serve`` in this process with
+a stack sampler and a step log, for ``bench_serve.py --profile``.
+
+Usage: python bench/serve_profile.py OUT.json zos|tf|tf_async SERVER ARGS...
+
+* stack sampler: every ``ZOS_PROFILE_INTERVAL`` seconds (default 0.005) the Python stack of
+  every thread (``sys._current_frames``); per thread: samples in total and, per function
+  (file:name), the samples in which it was on the stack (inclusive) and on top (self). A
+  thread waiting for the GIL shows at the line where it waits, so self counts of a busy
+  process include GIL waits;
+* step log: each ``ContinuousBatchingManager._generation_loop_body`` that ran a batch: start
+  (perf_counter s), seconds, requests in the batch and query tokens (from the scheduler's
+  ``schedule_batch``).
+
+``OUT.json`` is rewritten every 2 s (the server is stopped with SIGTERM, which uvicorn handles).
+"""
+from __future__ import annotations
+
+import collections
+import json
+import os
+import sys
+import threading
+import time
+
+_steps: list = []
+_sched: dict = {}
+
+
+def _sampler(path: str, interval: float) -> None:
+    me = threading.get_ident()
+    inclusive: dict = collections.defaultdict(collections.Counter)
+    self_: dict = collections.defaultdict(collections.Counter)
+    total: collections.Counter = collections.Counter()
+    last_dump = time.monotonic()
+    while True:
+        time.sleep(interval)
+        names = {t.ident: t.name for t in threading.enumerate()}
+        for tid, frame in sys._current_frames().items():
+            if tid == me:
+                continue
+            name = names.get(tid, str(tid))
+            total[name] += 1
+            seen = set()
+            top = True
+            while frame is not None:
+                code = frame.f_code
+                key = f"{code.co_filename.rsplit('site-packages/', 1)[-1]}:{code.co_name}"
+                if top:
+                    self_[name][key] += 1
+                    top = False
+                if key not in seen:
+                    seen.add(key)
+                    inclusive[name][key] += 1
+                frame = frame.f_back
+        if time.monotonic() - last_dump > 2.0:
+            last_dump = time.monotonic()
+            doc = dict(interval_s=interval, threads={
+                n: dict(samples=total[n], inclusive=inclusive[n].most_common(60),
+                        self=self_[n].most_common(40)) for n in total},
+                steps=list(_steps))
+            with open(path + ".tmp", "w") as f:
+                json.dump(doc, f)
+            os.replace(path + ".tmp", path)
+
+
+def _hook_steps() -> None:
+    from transformers.generation.continuous_batching import continuous_api, scheduler
+
+    for cls in vars(scheduler).values():
+        if isinstance(cls, type) and "schedule_batch" in vars(cls):
+            orig_sched = cls.schedule_batch
+
+            def schedule_batch(self, *a, _orig=orig_sched, **k):
+                out = _orig(self, *a, **k)
+                _sched["n"] = len(out[0]) if out[0] is not None else 0
+                _sched["q"] = out[2]
+                return out
+            cls.schedule_batch = schedule_batch
+    body = continuous_api.ContinuousBatchingManager._generation_loop_body
+
+    def loop_body(self, *a, **k):
+        _sched.clear()
+        t = time.perf_counter()
+        out = body(self, *a, **k)
+        if _sched.get("n"):
+            _steps.append((round(t, 6), round(time.perf_counter() - t, 6), _sched["n"],
+                           _sched["q"]))
+        return out
+    continuous_api.ContinuousBatchingManager._generation_loop_body = loop_body
+
+
+def main() -> int:
+    path, kind, args = sys.argv[1], sys.argv[2], sys.argv[3:]
+    interval = float(os.environ.get("ZOS_PROFILE_INTERVAL", "0.005"))
+    if kind == "zos":
+        from zos.integrations import serve
+    _hook_steps()
+    threading.Thread(target=_sampler, args=(path, interval), daemon=True,
+                     name="zos-sampler").start()
+    if kind == "zos":
+        return serve.main(args)
+    if kind == "tf_async":
+        from transformers.cli.serving import utils
+        init = utils.CBGenerateManager.init_cb
+
+        def init_cb(self, model, gen_config):
+            if self._cb is None:
+                self._cb_config.use_async_batching = True
+            return init(self, model, gen_config)
+        utils.CBGenerateManager.init_cb = init_cb
+    from transformers.cli.transformers import main as tf_main
+    sys.argv = ["transformers", *args]
+    tf_main()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
