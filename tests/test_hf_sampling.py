@@ -202,17 +202,22 @@ PROCESSORS = dict(repetition_penalty=dict(repetition_penalty=1.5),
 @pytest.mark.parametrize("name", PROCESSORS)
 def test_other_logits_processors_equal_transformers(name, do_sample, mode):
     """Each of transformers' other generation options in continuous batching, greedy and
-    sampled: zos gives transformers' tokens."""
-    if name == "eta_cutoff" and do_sample and mode != "sync":
+    sampled: zos gives transformers' tokens, and transformers' errors where its own run fails
+    (``no_repeat_ngram_size``: its processor indexes the step's 1-D input ids as 2-D, so every
+    request fails, with zos as without)."""
+    if mode != "sync" and (name == "no_repeat_ngram_size" or (name == "eta_cutoff" and do_sample)):
         # transformers' EtaLogitsWarper builds a torch.distributions.Categorical, which checks
-        # its arguments on the host: transformers' own capture of it fails, and a failed
-        # capture leaves CUDA's default generator unusable for the rest of the process
-        pytest.skip("transformers cannot capture eta_cutoff in a CUDA graph")
+        # its arguments on the host, and NoRepeatNGramLogitsProcessor raises on its input:
+        # transformers' own capture of either fails, and a failed capture leaves CUDA's state
+        # unusable for the rest of the process (on the H200, 2026-12-03, the process crashed later)
+        pytest.skip(f"transformers cannot capture {name} in a CUDA graph")
     model = tiny_llama(8)
     inputs = prompts(8, (1, 5, 17, 3, 9))
     opts = dict(PROCESSORS[name])
     opts.setdefault("eos_token_id", EOS)
     gen = GenerationConfig(max_new_tokens=8, do_sample=do_sample, pad_token_id=0, **opts)
     cb = cb_config(mode)
-    theirs = tokens(run(model, inputs, gen, False, 21, cb))
-    assert tokens(run(model, inputs, gen, True, 21, cb)) == theirs
+    theirs = run(model, inputs, gen, False, 21, cb)
+    ours = run(model, inputs, gen, True, 21, cb)
+    assert tokens(ours) == tokens(theirs)
+    assert {k: o.error for k, o in ours.items()} == {k: o.error for k, o in theirs.items()}
