@@ -308,9 +308,9 @@ def over_best(ours: dict, peers: list[dict]) -> dict:
         vals = [v for v in map(get, peers) if v]
         return pick(vals) if vals else None
 
-    def ratio(get, pick):
+    def ratio(get, pick):  # 0 for a zos server that served nothing; None without a figure
         b, v = best(get, pick), get(ours)
-        return v / b if b and v else None
+        return v / b if b and v is not None else None
 
     return dict(tokens_per_s=ratio(lambda s: s["tokens_per_s"], max),
                 steady_tokens_per_s=ratio(lambda s: s["steady_tokens_per_s"], max),

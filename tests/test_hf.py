@@ -102,6 +102,32 @@ def test_generate_batch_matches_transformers_and_generate(seed, lengths, max_new
     assert model.config._attn_implementation == "sdpa"  # disable_zos restored it
 
 
+def test_chunked_prefill_through_varlen_attention(monkeypatch):
+    """Prompts longer than a batch's 64 tokens are prefilled in chunks, beside the decoding
+    requests: zos's varlen attention runs those steps, reading keys through transformers'
+    ``read_index`` (a chunk after the first, or a decode row in a mixed batch) and, when no
+    request of the step has a past, through its ``write_index``; every request gets
+    ``generate()``'s tokens."""
+    from zos.integrations import transformers as zt
+
+    model = tiny_llama(11)
+    inputs = prompts(11, (150, 3, 70, 9), model.config.vocab_size)
+    want = [reference(model, p, 6) for p in inputs]
+    seen = []  # (query tokens, keys read) per call
+
+    def spy(q, k_cache, v_cache, kv_slots, cu_q, cu_k, scale, **kw):
+        seen.append((int(cu_q[-1]), int(cu_k[-1])))
+        return varlen(q, k_cache, v_cache, kv_slots, cu_q, cu_k, scale, **kw)
+
+    varlen = zt.varlen_attention
+    monkeypatch.setattr(zt, "varlen_attention", spy)
+    ours, timings = run_generate_batch(model, inputs, 6, zos=True)
+    assert ours == want
+    assert any(k > q for q, k in seen) and any(k == q for q, k in seen)  # past read; none
+    assert [p for p, _ in timings].count("transformers") * model.config.num_hidden_layers \
+        == len(seen)  # every step zos did not build ran its varlen attention, once per layer
+
+
 def test_manager_join_leave_reused_ids_and_preemption(monkeypatch):
     """Requests of different lengths leave at different steps; a second wave joins while the
     first still decodes (transformers' prefill and mixed steps after zos steps); a third wave
@@ -391,14 +417,17 @@ def test_sliding_window_model_keeps_transformers_path():
     assert ours == theirs and timings == []
 
 
-def test_compile_configs_keep_transformers_path():
+@pytest.mark.parametrize("attn", ["sdpa", "paged|zos"])
+def test_compile_configs_keep_transformers_path(attn):
     """With torch.compile configs zos serves no step of the run (one-line warning): the model
     runs on transformers' own ``paged|sdpa``, whose mask the batch processor's IOs (zos's)
-    allocate as transformers' do."""
+    allocate as transformers' do, and gets the attention it had back when the manager stops
+    (also one already on ``paged|zos``)."""
     from transformers import CompileConfig
 
     model = tiny_llama(10)
     enable_zos(model)
+    model.set_attn_implementation(attn)
     try:
         manager = model.init_continuous_batching(
             generation_config=gen_config(2),
@@ -408,6 +437,7 @@ def test_compile_configs_keep_transformers_path():
         assert bp.inputs_and_outputs.zos is None
         assert bp.inputs_and_outputs.attention_mask is not None
         assert model.config._attn_implementation == "paged|sdpa"
+        assert manager._original_attn_impl == attn  # what transformers' stop restores
     finally:
         disable_zos(model)
 

@@ -10,6 +10,7 @@ import zos._interpret  # noqa: F401  (before transformers imports triton)
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from zos import DecodeBuffers, DeviceMetadataBackend, PaddingProfile
 from zos.buckets import POLICIES
@@ -93,6 +94,28 @@ def test_cancelled_request_is_finished_for_the_batch_in_flight():
         assert "a" not in bp.cache.group_cache_managers[0].block_table
         bp.cache.mark_shareable_blocks_as_complete(state, 2)  # the in-flight update's call
         assert state.status == RequestStatus.FINISHED
+    finally:
+        disable_zos(model)
+
+
+def test_warmup_step_runs_without_autograd():
+    """transformers' server starts its manager (and so zos's warm-up) with autograd on: a
+    warm-up step must leave the KV cache outside any autograd graph (the cache's ``index_copy_``
+    under autograd made it keep every warm-up forward's activations: on the H200 the warm-up of
+    the 1B shape's server ran out of 139 GiB)."""
+    from zos.integrations.hf_manager import _warmup_step
+
+    model = tiny_llama(3)
+    enable_zos(model, ZosOptions())
+    try:
+        manager = model.init_continuous_batching(generation_config=gen_config(4),
+                                                 continuous_batching_config=cb_config())
+        bp = manager._create_batch_processor()
+        assert torch.is_grad_enabled()
+        _warmup_step(bp, model, 3, fast=bp.cache.max_blocks_per_request > 0)
+        for cache in (*bp.cache.key_cache, *bp.cache.value_cache):
+            assert not cache.requires_grad and cache.grad_fn is None
+        assert bp.cache.get_num_free_blocks() == bp.cache.num_blocks  # its blocks freed
     finally:
         disable_zos(model)
 

@@ -85,6 +85,18 @@ def test_matches_reference(hq, hkv, hd, seqs, dtype):
     torch.testing.assert_close(got.double().cpu(), want, **TOL[dtype])
 
 
+def test_strided_query_and_float16():
+    """q as transformers' attention passes it (``query[0].transpose(0, 1)``: a strided view of
+    ``[num_heads, T_q, head_dim]``), in float16."""
+    seqs = [(6, 10), (1, 4), (3, 3)]
+    q, kc, vc, slots, cu_q, cu_k = make_case(torch.float16, 6, 2, 16, seqs, seed=5)
+    q_t = q.transpose(0, 1).contiguous().transpose(0, 1)  # same values, head-major storage
+    assert not q_t.is_contiguous()
+    got = varlen_attention(q_t, kc, vc, slots, cu_q, cu_k, 0.25)
+    want = reference(q, kc, vc, slots, cu_q, cu_k, 0.25)
+    torch.testing.assert_close(got.double().cpu(), want, **TOL[torch.float16])
+
+
 @pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64])
 def test_padding_rows_and_sequences_untouched(slot_dtype):
     """A padded step (rows past cu_q[-1], empty sequences past the real ones, as transformers'
@@ -121,6 +133,9 @@ def _args():
     (6, 0.0, ValueError, "scale must be finite"),
     (6, "0.25", TypeError, "scale must be a Python float"),
     (0, [1.0], TypeError, "q must be a torch.Tensor"),
+    (3, torch.zeros(6, dtype=torch.int64)[::2], ValueError, "kv_slots must be contiguous"),
+    (4, torch.tensor([0, 9, 2, 9], dtype=torch.int32)[::2], ValueError,
+     "cu_seqlens_q must be contiguous"),
 ])
 def test_bad_arguments(index, value, err, match):
     args = _args()

@@ -68,6 +68,10 @@ def _check(q, k_cache, v_cache, kv_slots, cu_seqlens_q, cu_seqlens_k, scale, out
                              f"got shape {tuple(t.shape)}")
         if t.dtype != torch.int32:
             raise TypeError(f"{where}: {name} must be int32, got {t.dtype}")
+    for name, t in (("kv_slots", kv_slots), ("cu_seqlens_q", cu_seqlens_q),
+                    ("cu_seqlens_k", cu_seqlens_k)):
+        if t.shape[0] > 1 and t.stride(0) != 1:  # the kernel reads them as dense arrays
+            raise ValueError(f"{where}: {name} must be contiguous, got stride {t.stride(0)}")
     if cu_seqlens_k.shape != cu_seqlens_q.shape:
         raise ValueError(f"{where}: cu_seqlens_k shape {tuple(cu_seqlens_k.shape)} != "
                          f"cu_seqlens_q shape {tuple(cu_seqlens_q.shape)}")
@@ -103,13 +107,13 @@ def varlen_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         k_cache, v_cache: ``[num_slots, num_kv_heads, head_dim]`` each, q's dtype, contiguous
             (transformers' ``PagedAttentionCache.key_cache[i]`` / ``value_cache[i]``); not
             written. GQA: query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)``.
-        kv_slots: int32 / int64 ``[T_k]``: key ``j`` of sequence ``s`` is slot
+        kv_slots: int32 / int64 ``[T_k]``, contiguous: key ``j`` of sequence ``s`` is slot
             ``kv_slots[cu_seqlens_k[s] + j]`` of the caches (values not checked on the host).
-        cu_seqlens_q, cu_seqlens_k: int32 ``[num_seqs + 1]``, cumulative query and key counts
-            from 0, nondecreasing, each sequence with ``q_len <= kv_len`` (not checked on the
-            host: no device value is read; the kernel never reads a query row ``>= T_q`` or a
-            ``kv_slots`` entry ``>= T_k``). A sequence with ``q_len = 0`` (padding) writes
-            nothing.
+        cu_seqlens_q, cu_seqlens_k: int32 ``[num_seqs + 1]``, contiguous, cumulative query and
+            key counts from 0, nondecreasing, each sequence with ``q_len <= kv_len`` (not
+            checked on the host: no device value is read; the kernel never reads a query row
+            ``>= T_q`` or a ``kv_slots`` entry ``>= T_k``). A sequence with ``q_len = 0``
+            (padding) writes nothing.
         scale: softmax scale of ``q . k`` (usually ``head_dim ** -0.5``), a Python float.
         out: optional ``[T_q, num_heads, head_dim]`` in q's dtype on q's device; the rows of
             sequences are written in place, other rows are left as they are. None: a zeroed
@@ -124,7 +128,8 @@ def varlen_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         ValueError: a shape mismatch (q not 3-D, caches not 3-D or different, head_dim,
             num_heads not a multiple of num_kv_heads, kv_slots not 1-D int32/int64, cu_seqlens
             not 1-D with >= 2 entries or of different lengths, out's shape), non-contiguous
-            caches, tensors on different devices, scale not finite and > 0.
+            caches, kv_slots or cu_seqlens, tensors on different devices, scale not finite and
+            > 0.
     """
     _check(q, k_cache, v_cache, kv_slots, cu_seqlens_q, cu_seqlens_k, scale, out)
     t_q, hq, hd = q.shape

@@ -34,6 +34,12 @@ CB_ATTN_IMPLEMENTATION = "paged|sdpa"  # transformers' own: dense attention unde
 ATTN_IMPLEMENTATION = "paged|zos"  # what the manager runs a zos-enabled model on
 
 
+def _compiled(cb_config) -> bool:
+    """Whether a continuous-batching config asks for torch.compile (zos then serves no step)."""
+    return (cb_config.varlen_compile_config is not None
+            or cb_config.decode_compile_config is not None)
+
+
 def fastest_mode(cb_config, model):
     """``cb_config`` with what the user left to transformers (None) set to zos's fastest mode
     on CUDA: CUDA graphs on the decode path (zos's decode steps: one replay each; prefill and
@@ -42,10 +48,8 @@ def fastest_mode(cb_config, model):
     (bench/bench_hf.py, 2026-12-01, bench/NOTES.md, prefill then under transformers' mask)
     this beat graphs on both paths at 16, 64 and 256 requests. The caller's config is not
     changed; on a CPU, or with compile configs, it is returned as it is."""
-    cpu = model.device.type != "cuda"
-    compiled = (cb_config.varlen_compile_config is not None
-                or cb_config.decode_compile_config is not None)
-    if cpu or compiled or None not in (cb_config.use_cuda_graph, cb_config.use_async_batching):
+    chosen = None not in (cb_config.use_cuda_graph, cb_config.use_async_batching)
+    if model.device.type != "cuda" or _compiled(cb_config) or chosen:
         return cb_config
     cb_config = copy.deepcopy(cb_config)
     if cb_config.use_cuda_graph is None:
@@ -98,12 +102,17 @@ def zos_warmup_counts(backend, max_requests: int, padded_q) -> list[int]:
     return sorted(largest.values())
 
 
+@torch.no_grad()
 def _warmup_step(bp, model, n: int, fast: bool) -> None:
     """One decode batch of ``n`` warm-up requests of one KV block each through ``bp``, as the
     scheduler would hand it over (decode fast path ``fast``, transformers' padding), then its
     blocks freed: with graphs on, the batch's graph is captured (or replayed if it exists).
     transformers' ``run_one_warmup`` pads decode batches as its block-table path does, which a
-    batch of a model without that path (sdpa) never takes."""
+    batch of a model without that path (sdpa) never takes. Without autograd whatever the
+    caller's mode (transformers' ``ContinuousBatchingManager.warmup`` sets none, and its server
+    starts the manager with autograd on): a step's K/V write into the cache would otherwise
+    make the cache part of an autograd graph that keeps every warm-up forward's activations
+    alive."""
     from transformers.generation.continuous_batching.requests import RequestStatus
     from transformers.generation.continuous_batching.utils import create_warmup_future_states
 
@@ -182,12 +191,14 @@ def install_manager_hook() -> None:
     def _create_batch_processor(self):
         options = getattr(self.model, "_zos_options", None)
         cfg = self.continuous_batching_config
-        compiled = (cfg.varlen_compile_config is not None
-                    or cfg.decode_compile_config is not None)
+        compiled = _compiled(cfg)
         if (options is not None and compiled
                 and self.model.config._attn_implementation == ATTN_IMPLEMENTATION):
-            # every step of such a run is transformers': its own attention, with its mask
+            # every step of such a run is transformers': its own attention, with its mask;
+            # the model gets its attention back when the manager stops
             self.model.set_attn_implementation(CB_ATTN_IMPLEMENTATION)
+            if self._original_attn_impl is None:
+                self._original_attn_impl = ATTN_IMPLEMENTATION
         bp = original_create(self)
         classes = zos_ios_classes()
         if options is None or isinstance(bp.inputs_and_outputs, classes):

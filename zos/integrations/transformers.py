@@ -144,10 +144,13 @@ def zos_paged_attention(module, query, key, value, attention_mask, scaling=None,
     * otherwise (a mask: a model on transformers' ``paged|sdpa``; no paged cache):
       transformers' ``paged|sdpa``, unchanged (its mask, its error without a paged cache).
 
-    Returns ``([1, T, num_heads, head_dim], None)``.
+    Returns ``([1, T, num_heads, head_dim], None)``. ``dropout`` is not applied (inference:
+    transformers passes 0 for a model in eval mode).
 
     Raises:
-        ValueError: the layer's group is not the cache's only group (sliding windows).
+        ValueError: the layer is not full attention in the cache's only group (sliding
+            windows: :func:`enable_zos` refuses such models); the varlen attention's
+            ValueError / TypeError for inputs outside its contract.
     """
     md: StepMetadata | None = kwargs.get("zos_metadata")
     cache = kwargs.get("cache")
@@ -156,9 +159,10 @@ def zos_paged_attention(module, query, key, value, attention_mask, scaling=None,
         return sdpa_attention_paged_forward(module, query, key, value, attention_mask,
                                             dropout=dropout, scaling=scaling, **kwargs)
     group, j = cache.layer_index_to_group_indices[module.layer_idx]
-    if group != 0:
-        raise ValueError(f"paged|zos: layer {module.layer_idx} is in cache group {group}; zos "
-                         f"supports one full-attention group")
+    if group != 0 or cache.sliding_windows[module.layer_idx] != 1:
+        raise ValueError(f"paged|zos: layer {module.layer_idx} is in cache group {group} with "
+                         f"sliding window {cache.sliding_windows[module.layer_idx]}; zos supports "
+                         f"one full-attention group")
     kc, vc = cache.key_cache[j], cache.value_cache[j]
     scale = float(scaling if scaling is not None else module.scaling)
     q = query[0].transpose(0, 1)
