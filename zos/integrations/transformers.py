@@ -236,9 +236,10 @@ def enable_zos(model, options: ZosOptions | None = None) -> bool:
         return False
     if model.device.type == "cpu" and not _triton_interpreted():
         raise RuntimeError("a model on the CPU needs Triton's interpreter for zos's kernels, "
-                           "chosen before triton is imported: import zos before transformers "
-                           "(its model classes import triton) on a machine without CUDA, or set "
-                           "TRITON_INTERPRET=1 in the environment")
+                           "chosen before triton is imported: import zos.integrations."
+                           "transformers before transformers (its model classes import triton) "
+                           "on a machine without CUDA, or set TRITON_INTERPRET=1 in the "
+                           "environment")
     # One dispatcher under both names: with a ``zos_metadata`` kwarg (only zos's IOs pass one)
     # zos's decode; with transformers' mask (``paged|sdpa``) exactly transformers' attention,
     # so other models see no change.
