@@ -66,13 +66,15 @@ TF_MAIN = ("import sys; from transformers.cli.transformers import main; "
            "sys.argv = ['transformers', *sys.argv[1:]]; main()")
 # transformers' server with asynchronous batching on: its manager's config, set right before
 # the manager is created (the hook point zos serve uses); everything else is transformers'.
-TF_ASYNC = ("import sys; from transformers.cli.serving import utils; "
-            "init = utils.CBGenerateManager.init_cb\n"
-            "def init_cb(self, model, gen_config):\n"
-            "    if self._cb is None:\n"
-            "        self._cb_config.use_async_batching = True\n"
-            "    return init(self, model, gen_config)\n"
-            "utils.CBGenerateManager.init_cb = init_cb\n" + TF_MAIN)
+# ASYNC_HOOK is that wrapping alone (bench/serve_profile.py runs it too).
+ASYNC_HOOK = ("from transformers.cli.serving import utils\n"
+              "init = utils.CBGenerateManager.init_cb\n"
+              "def init_cb(self, model, gen_config):\n"
+              "    if self._cb is None:\n"
+              "        self._cb_config.use_async_batching = True\n"
+              "    return init(self, model, gen_config)\n"
+              "utils.CBGenerateManager.init_cb = init_cb\n")
+TF_ASYNC = ASYNC_HOOK + TF_MAIN
 SHAPES = {  # LlamaConfig keywords of the random-weight models
     "llama1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                     num_attention_heads=32, num_key_value_heads=8, head_dim=64,

@@ -100,15 +100,9 @@ def main() -> int:
                      name="zos-sampler").start()
     if kind == "zos":
         return serve.main(args)
-    if kind == "tf_async":
-        from transformers.cli.serving import utils
-        init = utils.CBGenerateManager.init_cb
-
-        def init_cb(self, model, gen_config):
-            if self._cb is None:
-                self._cb_config.use_async_batching = True
-            return init(self, model, gen_config)
-        utils.CBGenerateManager.init_cb = init_cb
+    if kind == "tf_async":  # transformers' server with async batching, as bench_serve runs it
+        from bench_serve import ASYNC_HOOK  # this script's directory is on sys.path
+        exec(ASYNC_HOOK, {})
     from transformers.cli.transformers import main as tf_main
     sys.argv = ["transformers", *args]
     tf_main()

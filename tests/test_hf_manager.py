@@ -7,6 +7,7 @@ transformers' server thread under asynchronous batching), and the host-built met
 Needs transformers 5.17.0 (the ``hf`` extra); skipped with another version."""
 import zos._interpret  # noqa: F401  (before transformers imports triton)
 
+import contextlib
 from types import SimpleNamespace
 
 import pytest
@@ -71,6 +72,20 @@ def test_warmup_counts_meet_every_graph_key_once(policy, max_requests, interval)
         assert n == max(m for m in range(1, max_requests + 1) if key(m) == key(n))
 
 
+@contextlib.contextmanager
+def zos_batch_processor(seed: int, max_new_tokens: int):
+    """(model, batch processor): a zos-enabled tiny Llama (``test_hf.tiny_llama(seed)``) and
+    the batch processor of its manager with ``test_hf.cb_config()``; zos disabled on exit."""
+    model = tiny_llama(seed)
+    enable_zos(model, ZosOptions())
+    try:
+        manager = model.init_continuous_batching(generation_config=gen_config(max_new_tokens),
+                                                 continuous_batching_config=cb_config())
+        yield model, manager._create_batch_processor()
+    finally:
+        disable_zos(model)
+
+
 def test_cancelled_request_is_finished_for_the_batch_in_flight():
     """transformers frees a cancelled request's blocks when it prepares the next batch; under
     asynchronous batching the batch before, which holds the request, is updated after that,
@@ -78,12 +93,7 @@ def test_cancelled_request_is_finished_for_the_batch_in_flight():
     left (KeyError). With zos the cancelled state is FINISHED, which that update skips: the
     same call is a no-op. Driven through the batch processor's own methods (a CPU has no
     asynchronous batching, so the in-flight update is called directly)."""
-    model = tiny_llama(2)
-    enable_zos(model, ZosOptions())
-    try:
-        manager = model.init_continuous_batching(generation_config=gen_config(8),
-                                                 continuous_batching_config=cb_config())
-        bp = manager._create_batch_processor()
+    with zos_batch_processor(2, 8) as (_, bp):
         assert bp.cache.use_prefix_sharing
         state = RequestState(request_id="a", initial_tokens=list(range(1, 10)), max_new_tokens=8)
         bp.scheduler.add_waiting_request(state)
@@ -94,8 +104,6 @@ def test_cancelled_request_is_finished_for_the_batch_in_flight():
         assert "a" not in bp.cache.group_cache_managers[0].block_table
         bp.cache.mark_shareable_blocks_as_complete(state, 2)  # the in-flight update's call
         assert state.status == RequestStatus.FINISHED
-    finally:
-        disable_zos(model)
 
 
 def test_warmup_step_runs_without_autograd():
@@ -105,19 +113,12 @@ def test_warmup_step_runs_without_autograd():
     the 1B shape's server ran out of 139 GiB)."""
     from zos.integrations.hf_manager import _warmup_step
 
-    model = tiny_llama(3)
-    enable_zos(model, ZosOptions())
-    try:
-        manager = model.init_continuous_batching(generation_config=gen_config(4),
-                                                 continuous_batching_config=cb_config())
-        bp = manager._create_batch_processor()
+    with zos_batch_processor(3, 4) as (model, bp):
         assert torch.is_grad_enabled()
         _warmup_step(bp, model, 3, fast=bp.cache.max_blocks_per_request > 0)
         for cache in (*bp.cache.key_cache, *bp.cache.value_cache):
             assert not cache.requires_grad and cache.grad_fn is None
         assert bp.cache.get_num_free_blocks() == bp.cache.num_blocks  # its blocks freed
-    finally:
-        disable_zos(model)
 
 
 def _modes():

@@ -66,6 +66,16 @@ def _need_tensor(name: str, t) -> None:
                         f"{type(t).__name__}")
 
 
+def check_same_kv(where: str, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """ValueError (prefixed ``where``) unless ``v_cache`` matches ``k_cache`` in shape, dtype and
+    device: the rule of every launcher over separate K and V caches."""
+    if (v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype
+            or v_cache.device != k_cache.device):
+        raise ValueError(f"{where}: v_cache must match k_cache in shape, dtype and device, got "
+                         f"{tuple(v_cache.shape)} {v_cache.dtype} {v_cache.device} against "
+                         f"{tuple(k_cache.shape)} {k_cache.dtype} {k_cache.device}")
+
+
 def _check_args(q, kv_cache, block_table, seq_lens, scale, out, num_splits) -> None:
     """Checks of :func:`paged_decode_attention` (one ``[2, ...]`` cache); reads no device value."""
     where = "paged_decode_attention"
@@ -85,11 +95,7 @@ def _check_kv_args(q, k_cache, v_cache, block_table, seq_lens, scale, out, num_s
     if k_cache.dim() != 4:
         raise ValueError(f"{where}: k_cache must be [num_blocks, block_size, num_kv_heads, "
                          f"head_dim], got shape {tuple(k_cache.shape)}")
-    if (v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype
-            or v_cache.device != k_cache.device):
-        raise ValueError(f"{where}: v_cache must match k_cache in shape, dtype and device, got "
-                         f"{tuple(v_cache.shape)} {v_cache.dtype} {v_cache.device} against "
-                         f"{tuple(k_cache.shape)} {k_cache.dtype} {k_cache.device}")
+    check_same_kv(where, k_cache, v_cache)
     if not v_cache.is_contiguous():
         raise ValueError(f"{where}: v_cache must be contiguous, got strides "
                          f"{tuple(v_cache.stride())}")

@@ -15,6 +15,7 @@ import math
 import torch
 import triton
 
+from zos.attention import check_same_kv
 from zos.triton_kernels.varlen_attention import varlen_attention_kernel
 
 __all__ = ["varlen_attention"]
@@ -39,11 +40,7 @@ def _check(q, k_cache, v_cache, kv_slots, cu_seqlens_q, cu_seqlens_k, scale, out
     if k_cache.dim() != 3 or min(k_cache.shape) < 1:
         raise ValueError(f"{where}: k_cache must be [num_slots, num_kv_heads, head_dim], got "
                          f"shape {tuple(k_cache.shape)}")
-    if (v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype
-            or v_cache.device != k_cache.device):
-        raise ValueError(f"{where}: v_cache must match k_cache in shape, dtype and device, got "
-                         f"{tuple(v_cache.shape)} {v_cache.dtype} {v_cache.device} against "
-                         f"{tuple(k_cache.shape)} {k_cache.dtype} {k_cache.device}")
+    check_same_kv(where, k_cache, v_cache)
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         if not t.is_contiguous():
             raise ValueError(f"{where}: {name} must be contiguous, got strides "
