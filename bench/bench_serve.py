@@ -22,13 +22,15 @@ Servers (``--servers``):
 * ``tf_graphs_async``: the same with asynchronous batching on (the server has no flag for it:
   set here by wrapping its manager's creation, as ``zos serve`` does), transformers' best mode
   in ``bench_hf.py``;
-* ``zos``: ``zos serve`` with its defaults (decode graphs captured in the warm-up, prefill and
-  mixed steps eager, asynchronous batching);
-* ``zos_graphs``: ``zos serve --cb-use-cuda-graph``: transformers' graphs on prefill and mixed
-  steps too (zos's varlen attention inside them; captured per padded size on first use).
+* ``zos``: ``zos serve`` with its defaults: transformers' CUDA graphs on both paths, every
+  graph captured in the warm-up (zos's decode steps; prefill and mixed steps with zos's varlen
+  attention, one graph per padded query size), asynchronous batching;
+* ``zos_decode_graphs``: the same with graphs on the decode path only (prefill and mixed steps
+  eager; zos's default until 2026-12-03), its config set as ``tf_graphs_async`` sets its own.
 
 Per server and level: tokens/s (completion tokens over the wall time from the first request
-sent to the last response ended), steady tokens/s (while every stream is active:
+sent to the last response ended; per level the arrival floor, :func:`arrival_floor`, bounds it
+for every server), steady tokens/s (while every stream is active:
 :func:`steady_tokens_per_s`; at low load the wall time is mostly the ramp, which no server
 shortens), time to first token and time per output token (per request: first to last content
 chunk over its tokens - 1) as p50 / p90 / p99, requests completed. Per level and zos server:
@@ -59,22 +61,32 @@ import urllib.request
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-SERVERS = ("tf_graphs", "tf_graphs_async", "zos", "zos_graphs")
-ZOS_SERVERS = ("zos", "zos_graphs")
+SERVERS = ("tf_graphs", "tf_graphs_async", "zos", "zos_decode_graphs")
+ZOS_SERVERS = ("zos", "zos_decode_graphs")
 TF_SERVERS = ("tf_graphs", "tf_graphs_async")
 TF_MAIN = ("import sys; from transformers.cli.transformers import main; "
            "sys.argv = ['transformers', *sys.argv[1:]]; main()")
-# transformers' server with asynchronous batching on: its manager's config, set right before
-# the manager is created (the hook point zos serve uses); everything else is transformers'.
-# ASYNC_HOOK is that wrapping alone (bench/serve_profile.py runs it too).
-ASYNC_HOOK = ("from transformers.cli.serving import utils\n"
-              "init = utils.CBGenerateManager.init_cb\n"
-              "def init_cb(self, model, gen_config):\n"
-              "    if self._cb is None:\n"
-              "        self._cb_config.use_async_batching = True\n"
-              "    return init(self, model, gen_config)\n"
-              "utils.CBGenerateManager.init_cb = init_cb\n")
-TF_ASYNC = ASYNC_HOOK + TF_MAIN
+ZOS_MAIN = ("import sys; from zos.integrations.serve import main; "
+            "sys.exit(main(sys.argv[1:]))")
+
+
+def config_hook(**fields) -> str:
+    """Python source that sets ``fields`` on the continuous-batching config of transformers'
+    server right before it creates its manager (the hook point zos serve uses), for settings
+    its command line has no flag for; everything else is the server's own."""
+    sets = "".join(f"        self._cb_config.{k} = {v!r}\n" for k, v in fields.items())
+    return ("from transformers.cli.serving import utils\n"
+            "init = utils.CBGenerateManager.init_cb\n"
+            "def init_cb(self, model, gen_config):\n"
+            "    if self._cb is None:\n"
+            f"{sets}"
+            "    return init(self, model, gen_config)\n"
+            "utils.CBGenerateManager.init_cb = init_cb\n")
+
+
+ASYNC_HOOK = config_hook(use_async_batching=True)  # bench/serve_profile.py runs it too
+CODE = {"tf_graphs": TF_MAIN, "tf_graphs_async": ASYNC_HOOK + TF_MAIN,
+        "zos_decode_graphs": config_hook(use_cuda_graph=(False, True)) + ZOS_MAIN}
 SHAPES = {  # LlamaConfig keywords of the random-weight models
     "llama1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                     num_attention_heads=32, num_key_value_heads=8, head_dim=64,
@@ -129,20 +141,18 @@ def start_server(kind: str, path: str, args, log: Path):
               "--cb-max-batch-tokens", str(args.max_batch_tokens), "--host", "127.0.0.1",
               "--port", str(port), "--log-level", "warning"]
     graphs = [] if args.smoke else ["--cb-use-cuda-graph"]
-    zos_graphs = graphs if kind == "zos_graphs" else []
+    tail = [path, *common] if kind in ZOS_SERVERS else [
+        "serve", path, "--continuous-batching", *graphs, *common]
     if args.profile:  # the same server under bench/serve_profile.py's sampler and step log
-        prof = str(log.with_suffix(".profile.json"))
-        mode = {"zos": "zos", "zos_graphs": "zos", "tf_graphs": "tf",
-                "tf_graphs_async": "tf_async"}[kind]
-        tail = ([path, *common, *zos_graphs] if kind in ZOS_SERVERS
-                else ["serve", path, "--continuous-batching", *graphs, *common])
-        cmd = [sys.executable, str(Path(__file__).with_name("serve_profile.py")), prof, mode,
-               *tail]
-    elif kind in ZOS_SERVERS:
-        cmd = [sys.executable, "-m", "zos.serving.cli", "serve", path, *common, *zos_graphs]
+        if kind == "zos_decode_graphs":
+            raise ValueError("--profile runs tf_graphs, tf_graphs_async and zos only")
+        mode = {"zos": "zos", "tf_graphs": "tf", "tf_graphs_async": "tf_async"}[kind]
+        cmd = [sys.executable, str(Path(__file__).with_name("serve_profile.py")),
+               str(log.with_suffix(".profile.json")), mode, *tail]
+    elif kind == "zos":  # the command a user runs: zos serve
+        cmd = [sys.executable, "-m", "zos.serving.cli", "serve", *tail]
     else:
-        cmd = [sys.executable, "-c", TF_ASYNC if kind == "tf_graphs_async" else TF_MAIN,
-               "serve", path, "--continuous-batching", *graphs, *common]
+        cmd = [sys.executable, "-c", CODE[kind], *tail]
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HUB_DISABLE_UPDATE_CHECK="1",
                PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
@@ -303,6 +313,14 @@ def summarize(records: list[dict], expected: list[int]) -> dict:
                 tpot_ms={f"p{q}": _pct(tpot, q) for q in (50, 90, 99)})
 
 
+def arrival_floor(load: list[tuple[float, list]]) -> float:
+    """Seconds from the first stream's start to the last one's: the wall time of a server that
+    answered every request at once, so ``tokens / floor`` bounds every server's tokens/s (at
+    low load the ramp, not the server, sets that figure)."""
+    starts = [start for start, _ in load]
+    return max(starts) - min(starts)
+
+
 def over_best(ours: dict, peers: list[dict]) -> dict:
     """Ratios of one zos server's figures to the best transformers server per figure (highest
     tokens/s, lowest median TPOT)."""
@@ -348,6 +366,7 @@ def main(argv=None) -> int:
         args.models, args.streams, args.device, args.dtype = "tiny", "2,4", "cpu", "float32"
         args.num_blocks, args.max_batch_tokens, args.max_output = 256, 256, 8
         args.max_prompt, args.requests_per_stream = 48, 1
+        args.servers = "tf_graphs,zos"  # no graphs on a CPU
     import torch
     import transformers
     from transformers import AutoTokenizer
@@ -374,7 +393,8 @@ def main(argv=None) -> int:
         mdir = model_dir(name, root, args.dtype, args.tokenizer)
         tok = AutoTokenizer.from_pretrained(mdir)
         loads = {c: workload(tok, c, args, seed=c) for c in levels}
-        row = dict(model=name, levels={c: {} for c in levels})
+        row = dict(model=name, levels={c: {} for c in levels},
+                   arrival_floor_s={c: arrival_floor(loads[c]) for c in levels})
         for kind in servers:
             proc, port = start_server(kind, mdir, args, out / f"serve_{name}_{kind}.log")
             try:

@@ -7,6 +7,7 @@ Needs transformers 5.17.0 (the ``hf`` extra); skipped with another version."""
 import zos._interpret  # noqa: F401  (before transformers imports triton)
 
 import sys
+import warnings
 
 import pytest
 import torch
@@ -376,14 +377,42 @@ def test_fastest_mode_fills_only_what_the_user_left_open():
 
     open_cfg = ContinuousBatchingConfig()
     got = _fastest_mode(open_cfg, Model("cuda"))
-    assert got.use_cuda_graph == (False, True) and got.use_async_batching is True
+    assert got.use_cuda_graph is True and got.use_async_batching is True
     assert open_cfg.use_cuda_graph is None and open_cfg.use_async_batching is None
     mixed = ContinuousBatchingConfig(use_async_batching=False)
     got = _fastest_mode(mixed, Model("cuda"))
-    assert got.use_cuda_graph == (False, True) and got.use_async_batching is False
+    assert got.use_cuda_graph is True and got.use_async_batching is False
     assert _fastest_mode(open_cfg, Model("cpu")) is open_cfg
     compiled = ContinuousBatchingConfig(decode_compile_config=CompileConfig())
     assert _fastest_mode(compiled, Model("cuda")) is compiled
+
+
+def test_fastest_mode_leaves_graphs_off_for_processors_not_marked_ready():
+    """A logits processor transformers has not marked ready for continuous batching (it may
+    not survive a graph capture: SuppressTokensLogitsProcessor fails one on the H200) keeps
+    zos's mode off graphs, with one warning; temperature / top-k / top-p (marked ready) and
+    processors transformers drops (repetition penalty, marked unsupported) do not, unless the
+    config keeps the dropped ones."""
+    from types import SimpleNamespace
+
+    from zos.integrations.hf_manager import fastest_mode as _fastest_mode
+
+    real = tiny_llama(0)
+    model = SimpleNamespace(device=torch.device("cuda"),
+                            _get_logits_processor=real._get_logits_processor)
+    ready = GenerationConfig(do_sample=True, temperature=0.7, top_k=5, top_p=0.9,
+                             repetition_penalty=1.2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        got = _fastest_mode(ContinuousBatchingConfig(), model, ready)
+    assert got.use_cuda_graph is True and got.use_async_batching is True
+    with pytest.warns(RuntimeWarning, match="SuppressTokensLogitsProcessor"):
+        got = _fastest_mode(ContinuousBatchingConfig(), model, GenerationConfig(
+            suppress_tokens=[3], max_new_tokens=4))
+    assert got.use_cuda_graph is False and got.use_async_batching is True
+    keep = ContinuousBatchingConfig(drop_unsupported_processors=False)
+    with pytest.warns(RuntimeWarning, match="RepetitionPenaltyLogitsProcessor"):
+        assert _fastest_mode(keep, model, ready).use_cuda_graph is False
 
 
 def test_unsupported_attention_keeps_transformers_path():
@@ -446,12 +475,13 @@ def test_compile_configs_keep_transformers_path(attn):
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="transformers' async batching needs CUDA")
 @pytest.mark.parametrize("graphs,asynchronous", [(True, True), (False, True), (True, False),
-                                                 (None, None)])
+                                                 ((False, True), True), (None, None)])
 def test_cuda_async_and_graphs_match_transformers(graphs, asynchronous):
     """On the GPU, float32: zos with transformers' graphs and/or async batching (None: zos's
-    default, decode graphs and async on) gives exactly transformers' tokens (graphs and async
-    on), through rows joining (prefill steps between zos steps: tokens in flight reach rows
-    new to zos on the device), rows leaving and padded buckets."""
+    default, graphs on both paths and async on) gives exactly transformers' tokens (graphs and
+    async on), through rows joining (prefill steps between zos steps: tokens in flight reach
+    rows new to zos on the device), rows leaving and padded buckets; every graph is in zos's
+    key space."""
     model = tiny_llama(11)
     inputs = prompts(11, (3, 17, 1, 9, 30, 5, 2, 12, 7, 21), model.config.vocab_size)
     kw = dict(use_cuda_graph=graphs, use_async_batching=asynchronous, max_requests_per_batch=4,
@@ -481,3 +511,5 @@ def test_cuda_async_and_graphs_match_transformers(graphs, asynchronous):
     assert [p for p, _ in timings].count("zos") >= 5
     zos_graphs = [k for k in keys if k[0] == "zos"]
     assert bool(zos_graphs) == (graphs is not False), keys  # zos steps replay their graphs
+    assert all(k[0] in ("zos", "zos_varlen") for k in keys), keys
+    assert any(k[0] == "zos_varlen" for k in keys) == (graphs in (True, None)), keys

@@ -35,8 +35,8 @@ from transformers.generation.continuous_batching.requests import (  # noqa: E402
 )
 from transformers.generation.continuous_batching.utils import CudaGraphBuffer  # noqa: E402
 
-from zos.integrations.hf_manager import zos_warmup_counts  # noqa: E402
-from zos.integrations.hf_rows import graph_key, num_sampled  # noqa: E402
+from zos.integrations.hf_manager import varlen_warmup_sizes, zos_warmup_counts  # noqa: E402
+from zos.integrations.hf_rows import graph_key, num_sampled, varlen_graph_key  # noqa: E402
 from zos.integrations.transformers import ZosOptions, disable_zos, enable_zos  # noqa: E402
 
 CUDA = DEVICE == "cuda"
@@ -70,6 +70,22 @@ def test_warmup_counts_meet_every_graph_key_once(policy, max_requests, interval)
     assert ours == sorted(ours)
     for n in ours:
         assert n == max(m for m in range(1, max_requests + 1) if key(m) == key(n))
+
+
+@pytest.mark.parametrize("max_batch_tokens,interval", [(512, 64), (100, 64), (37, 1), (64, 64),
+                                                      (130, 16)])
+def test_varlen_warmup_sizes_meet_every_padded_query_size(max_batch_tokens, interval):
+    """One size per varlen graph key a step of 1 .. max_batch_tokens query tokens uses:
+    transformers pads a varlen step's query to a multiple of its interval, capped at
+    max_batch_tokens (``pad_to_interval``)."""
+    def padded_q(t):
+        return min(-(-t // interval) * interval, max_batch_tokens)
+
+    sizes = varlen_warmup_sizes(padded_q, max_batch_tokens)
+    want = list(range(interval, max_batch_tokens, interval)) + [max_batch_tokens]
+    assert sizes == sorted(set(want))
+    assert {varlen_graph_key(q) for q in sizes} == {varlen_graph_key(padded_q(t))
+                                                    for t in range(1, max_batch_tokens + 1)}
 
 
 @contextlib.contextmanager
@@ -115,7 +131,8 @@ def test_warmup_step_runs_without_autograd():
 
     with zos_batch_processor(3, 4) as (model, bp):
         assert torch.is_grad_enabled()
-        _warmup_step(bp, model, 3, fast=bp.cache.max_blocks_per_request > 0)
+        _warmup_step(bp, model, 3, 1, bp.cache.block_size - 1,
+                     fast=bp.cache.max_blocks_per_request > 0)
         for cache in (*bp.cache.key_cache, *bp.cache.value_cache):
             assert not cache.requires_grad and cache.grad_fn is None
         assert bp.cache.get_num_free_blocks() == bp.cache.num_blocks  # its blocks freed
@@ -174,19 +191,23 @@ def graph_keys(monkeypatch):
 
 
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs")
+@pytest.mark.parametrize("graphs", [(False, True), True])
 @pytest.mark.parametrize("asynchronous", [True, False])
-def test_every_zos_decode_graph_is_captured_in_the_warmup(graph_keys, asynchronous):
+def test_every_zos_graph_is_captured_in_the_warmup(graph_keys, graphs, asynchronous):
     """32 rows (vLLM buckets 1, 2, 4, 8, 16, 24, 32; on sdpa every decode batch samples
     transformers' 32 rows, its query padded to 64 and capped): 28 requests decode through 32,
     24, 16, ... rows as they finish. transformers' own decode warm-up does not run on sdpa (it
     needs its block-table path); a manager started without a warm-up (transformers' server
-    starts its manager that way) warms up first: no zos graph is captured once requests run,
-    every bucket's key is captured there, once per IO pair, and the tokens are generate()'s."""
+    starts its manager that way) warms up first: no graph is captured once requests run, every
+    bucket's key is captured there, once per IO pair, with varlen graphs on also every padded
+    query size (64 .. 512), and the tokens are generate()'s (prefill and mixed steps replayed
+    from graphs captured on other steps' sizes: zos's varlen attention reads the whole read
+    index)."""
     model = tiny_llama(17)
     lengths = [1 + (7 * i) % 23 for i in range(28)]
     inputs = prompts(17, lengths, model.config.vocab_size)
     new = [3 + (5 * i) % 11 for i in range(28)]
-    cb = cb_config(use_cuda_graph=(False, True), use_async_batching=asynchronous,
+    cb = cb_config(use_cuda_graph=graphs, use_async_batching=asynchronous,
                    max_requests_per_batch=32, max_batch_tokens=512, num_blocks=256)
     got = manager_results(model, gen_config(16), cb, True, 0,
                           [(p, dict(max_new_tokens=n)) for p, n in zip(inputs, new)],
@@ -194,10 +215,12 @@ def test_every_zos_decode_graph_is_captured_in_the_warmup(graph_keys, asynchrono
     split = graph_keys.index("run")
     warm, run = graph_keys[:split], graph_keys[split + 1:]
     zos_warm = [k for k in warm if k[0] == "zos"]
-    assert not [k for k in run if k[0] == "zos"], run
+    assert not run, run
     assert ("zos", 24, 32) in zos_warm
     assert len(zos_warm) == len(set(zos_warm)) * (2 if asynchronous else 1)
     assert {k[1] for k in zos_warm} == {1, 2, 4, 8, 16, 24, 32}
+    varlen_warm = {k[1] for k in warm if k[0] == "zos_varlen"}
+    assert varlen_warm == (set(range(64, 513, 64)) if graphs is True else set())
     for i, (p, n) in enumerate(zip(inputs, new)):
         assert got[f"r{i}"] == reference(model, p, n), i
 

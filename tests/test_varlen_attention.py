@@ -100,10 +100,15 @@ def test_strided_query_and_float16():
 @pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64])
 def test_padding_rows_and_sequences_untouched(slot_dtype):
     """A padded step (rows past cu_q[-1], empty sequences past the real ones, as transformers'
-    graphs pad): real rows match the reference, padding rows keep out's values."""
+    graphs pad; kv_slots longer than cu_k[-1], its tail stale: under graphs zos passes
+    transformers' whole read-index row, and the tail here names the NaN slots): real rows match
+    the reference, padding rows keep out's values."""
     seqs = [(4, 9), (1, 6), (7, 7)]
     q, kc, vc, slots, cu_q, cu_k = make_case(torch.float32, 4, 2, 16, seqs, pad_rows=5,
                                              pad_seqs=3, slot_dtype=slot_dtype)
+    owned = set(slots.tolist())
+    stale = [i for i in range(kc.shape[0]) if i not in owned] * 3
+    slots = torch.cat([slots, torch.tensor(stale, dtype=slot_dtype, device=slots.device)])
     out = torch.full_like(q, 7.0)
     got = varlen_attention(q, kc, vc, slots, cu_q, cu_k, 0.25, out=out)
     assert got is out
@@ -133,14 +138,18 @@ def _args():
     (6, 0.0, ValueError, "scale must be finite"),
     (6, "0.25", TypeError, "scale must be a Python float"),
     (0, [1.0], TypeError, "q must be a torch.Tensor"),
-    (3, torch.zeros(6, dtype=torch.int64)[::2], ValueError, "kv_slots must be contiguous"),
-    (4, torch.tensor([0, 9, 2, 9], dtype=torch.int32)[::2], ValueError,
+    # strided views, made on the device (a copy to it would be contiguous)
+    (3, lambda d: torch.zeros(6, dtype=torch.int64, device=d)[::2], ValueError,
+     "kv_slots must be contiguous"),
+    (4, lambda d: torch.tensor([0, 9, 2, 9], dtype=torch.int32, device=d)[::2], ValueError,
      "cu_seqlens_q must be contiguous"),
 ])
 def test_bad_arguments(index, value, err, match):
     args = _args()
     if isinstance(value, torch.Tensor):
         value = value.to(args[1].device)
+    elif callable(value):
+        value = value(args[1].device)
     args[index] = value
     with pytest.raises(err, match=match):
         varlen_attention(*args)

@@ -17,9 +17,13 @@ batches only (:class:`~zos.integrations.hf_rows.ZosDecodeRows` says which):
   size with graphs, N without), so a seeded sampling run draws the same random numbers and
   samples the same tokens as transformers' (``ZosDecodeRows.model_kwargs``).
 
-Prefill and mixed batches are transformers' own methods, unchanged; under ``"paged|zos"``
-transformers builds no 4-D mask for them: zos's varlen attention reads its ``cu_seq_lens_*``
-and cache indices instead (:func:`zos.integrations.transformers.zos_paged_attention`).
+Prefill and mixed batches are transformers' own methods; under ``"paged|zos"`` transformers
+builds no 4-D mask for them: zos's varlen attention reads its ``cu_seq_lens_*`` and cache
+indices instead (:func:`zos.integrations.transformers.zos_paged_attention`). With transformers'
+varlen graphs on, such a step reads the whole read-index row and its graph key is its padded
+query size alone (:func:`varlen_graphed`): one graph per size, captured in the warm-up, where
+transformers' own key also holds the padded past and ``max_seqlen_k`` (up to hundreds of keys,
+each captured on first use, inside users' requests).
 Classes are built on first use so that importing zos needs no transformers.
 """
 from __future__ import annotations
@@ -28,7 +32,13 @@ import time
 
 import torch
 
-from zos.integrations.hf_rows import TMP_TOKEN_ID, ZosDecodeRows, graph_key, num_sampled
+from zos.integrations.hf_rows import (
+    TMP_TOKEN_ID,
+    ZosDecodeRows,
+    graph_key,
+    num_sampled,
+    varlen_graph_key,
+)
 
 _CLASSES = None
 
@@ -69,6 +79,27 @@ def _zos_rows(serves: bool, kw: dict, max_requests: int, stream, *, async_carry:
     return ZosDecodeRows(kw["cache"], kw["config"], max_requests, kw["device"], stream,
                          kw["options"], async_carry=async_carry,
                          graphed=kw["continuous_batching_config"].cuda_graph_booleans[1])
+
+
+def varlen_graphed(zos, io) -> bool:
+    """Whether ``io``'s step (transformers' IOs that the model reads: the synchronous IOs, or the
+    asynchronous IOs' device side of the current pair) is a prefill or mixed step that zos's
+    varlen attention runs inside transformers' varlen CUDA graph (``zos``: the IOs'
+    :class:`ZosDecodeRows`, None when zos serves no step: the model then runs transformers'
+    ``paged|sdpa``, whose mask is sized by the read index). Such a step reads the cache (with
+    padding transformers' past read is never 0)."""
+    return (zos is not None and io.use_cuda_graph_varlen and not io.use_block_table
+            and io.max_kv_read > 0)
+
+
+def _whole_read_index(io, kwargs):
+    """``kwargs`` (transformers' model kwargs of ``io``'s step) with each group's read index the
+    whole row of ``io.read_index_storage`` (int64 ``[num_pages + max_batch_tokens]``) instead of
+    its first ``max_kv_read + num_q_tokens`` entries, a size a graph would bake in. zos's varlen
+    attention reads entries ``cu_seq_lens_k[s] ..`` of it only, all below
+    ``cu_seq_lens_k[-1]``, which transformers wrote for this step."""
+    kwargs["read_index"] = [io.read_index_storage[g] for g in range(len(kwargs["read_index"]))]
+    return kwargs
 
 
 def _timed(options, path: str, t0: float) -> None:
@@ -134,14 +165,18 @@ def _build():
         def get_model_kwargs(self, use_padding: bool = False):
             md = self.zos_md
             if md is None:
-                return super().get_model_kwargs(use_padding=use_padding)
+                kwargs = super().get_model_kwargs(use_padding=use_padding)
+                return (_whole_read_index(self, kwargs) if varlen_graphed(self.zos, self)
+                        else kwargs)
             args = self._bulk_input_tensor[self.static_inputs:]
             return self.zos.model_kwargs(md, self.cache, args, self.zos_sampled)
 
         def _get_graph_key(self):
-            if self.zos_md is None:
-                return super()._get_graph_key()
-            return graph_key(self.zos_md, self.zos_sampled)
+            if self.zos_md is not None:
+                return graph_key(self.zos_md, self.zos_sampled)
+            if varlen_graphed(self.zos, self):
+                return varlen_graph_key(self.num_q_tokens)
+            return super()._get_graph_key()
 
     class ZosAsyncIOs(ContinuousBatchingAsyncIOs):
         """transformers' asynchronous IOs (two host/device IO pairs, H2D, compute and D2H
@@ -204,9 +239,11 @@ def _build():
 
         def get_model_kwargs(self, use_padding: bool = False):
             md = self.zos_md[self.current_pair]
-            if md is None:
-                return super().get_model_kwargs(use_padding=use_padding)
             dev = self.io_pairs[self.current_pair].device_io
+            if md is None:
+                kwargs = super().get_model_kwargs(use_padding=use_padding)
+                return (_whole_read_index(dev, kwargs) if varlen_graphed(self.zos, dev)
+                        else kwargs)
             args = dev._bulk_input_tensor[dev.static_inputs:]
             return self.zos.model_kwargs(md, self.cache, args, self.zos_sampled[self.current_pair])
 
@@ -222,18 +259,24 @@ def _build():
                 return True
             return self.io_pairs[self.current_pair].host_io.use_block_table
 
-        def get_graph(self):
+        def _zos_graph_key(self):
+            """The current pair's step's key in zos's key space, or None (transformers')."""
             md = self.zos_md[self.current_pair]
-            if md is None:
+            if md is not None:
+                return graph_key(md, self.zos_sampled[self.current_pair])
+            dev = self.io_pairs[self.current_pair].device_io
+            return varlen_graph_key(dev.num_q_tokens) if varlen_graphed(self.zos, dev) else None
+
+        def get_graph(self):
+            key = self._zos_graph_key()
+            if key is None:
                 return super().get_graph()
-            key = graph_key(md, self.zos_sampled[self.current_pair])
             return self.io_pairs[self.current_pair].device_io.graphs.get_graph(key)
 
         def set_graph(self, graph) -> None:
-            md = self.zos_md[self.current_pair]
-            if md is None:
+            key = self._zos_graph_key()
+            if key is None:
                 return super().set_graph(graph)
-            key = graph_key(md, self.zos_sampled[self.current_pair])
             self.io_pairs[self.current_pair].device_io.graphs.set_graph(key, graph)
 
     return ZosIOs, ZosAsyncIOs

@@ -11,11 +11,12 @@
 * ``switch_to_cb_friendly_attn``: the model runs on ``paged|zos`` (zos's decode for zos's
   steps, zos's varlen attention for prefill and mixed ones: transformers builds no mask for
   that name), never flash; with torch.compile configs on ``paged|sdpa``, transformers' own;
-* ``warmup``: transformers' warm-up, then one decode batch per graph key of zos's
-  (:func:`zos_warmup_counts`), per IO pair: every decode graph of zos is captured there, none
-  during a user's requests (transformers' own decode warm-up runs only for its block-table
-  path, which sdpa has not);
-* ``start``: a manager with decode graphs whose batch processor zos serves and that was not
+* ``warmup``: transformers' warm-up, then one batch per graph key of zos's, per IO pair (a
+  decode batch per key of :func:`zos_warmup_counts`, a prefill step per padded query size of
+  :func:`varlen_warmup_sizes`): every graph of a zos-served run is captured there, none during
+  a user's requests (transformers' own decode warm-up runs only for its block-table path,
+  which sdpa has not, and its varlen warm-up covers one size);
+* ``start``: a manager with graphs whose batch processor zos serves and that was not
   warmed up (or whose processor is new) warms up first (transformers' server starts its manager
   without a warm-up), leaving the random number generators as they were; a failed warm-up is
   recorded as the manager's fatal error (the server then answers 503) and raised.
@@ -40,20 +41,51 @@ def _compiled(cb_config) -> bool:
             or cb_config.decode_compile_config is not None)
 
 
-def fastest_mode(cb_config, model):
+def uncaptured_processors(model, generation_config, cb_config) -> list[str]:
+    """Class names of the logits processors transformers' continuous batching runs for
+    ``generation_config`` (``model._get_logits_processor``, as its manager builds them) that
+    transformers has not marked ready for it (``supports_continuous_batching`` True: its
+    temperature, top-k and top-p warpers), leaving out those it drops (marked False, with
+    ``cb_config.drop_unsupported_processors``). Such a processor may not survive a CUDA graph
+    capture (on the H200, transformers 5.17: ``SuppressTokensLogitsProcessor`` copies a host
+    tensor, ``NoRepeatNGramLogitsProcessor`` raises on its input, ``EtaLogitsWarper`` checks
+    its distribution on the host), and a failed capture leaves the process's CUDA state
+    unusable."""
+    if generation_config is None:
+        return []
+    names = []
+    for proc in model._get_logits_processor(generation_config):
+        ready = getattr(proc, "supports_continuous_batching", None)
+        if ready is True or (ready is False and cb_config.drop_unsupported_processors):
+            continue
+        names.append(type(proc).__name__)
+    return names
+
+
+def fastest_mode(cb_config, model, generation_config=None):
     """``cb_config`` with what the user left to transformers (None) set to zos's fastest mode
-    on CUDA: CUDA graphs on the decode path (zos's decode steps: one replay each; prefill and
-    mixed steps eager, as transformers' own default for sdpa) and asynchronous batching on.
-    transformers' own default for an attention that needs a mask is both off. On the H200
-    (bench/bench_hf.py, 2026-12-01, bench/NOTES.md, prefill then under transformers' mask)
-    this beat graphs on both paths at 16, 64 and 256 requests. The caller's config is not
-    changed; on a CPU, or with compile configs, it is returned as it is."""
+    on CUDA: CUDA graphs on both paths (zos's decode steps and transformers' prefill and mixed
+    steps, which zos's varlen attention runs: one replay per step, every graph captured in the
+    warm-up) and asynchronous batching on. transformers' own default for an attention that
+    needs a mask is both off. Until 2026-12-03 the prefill path stayed eager: under
+    transformers' own varlen graph key (padded past and ``max_seqlen_k`` too) its graphs were
+    captured inside users' requests; bench/NOTES.md has the H200 runs behind each choice.
+    Graphs stay off, with a one-line RuntimeWarning, when ``generation_config`` asks for a
+    logits processor transformers has not marked ready for continuous batching
+    (:func:`uncaptured_processors`): a run that works without zos must not die in zos's
+    capture. The caller's config is not changed; on a CPU, or with compile configs, it is
+    returned as it is."""
     chosen = None not in (cb_config.use_cuda_graph, cb_config.use_async_batching)
     if model.device.type != "cuda" or _compiled(cb_config) or chosen:
         return cb_config
     cb_config = copy.deepcopy(cb_config)
     if cb_config.use_cuda_graph is None:
-        cb_config.use_cuda_graph = (False, True)  # (varlen/prefill, decode)
+        eager = uncaptured_processors(model, generation_config, cb_config)
+        if eager:
+            warnings.warn(f"zos: transformers has not marked the logits processors {eager} "
+                          f"ready for continuous batching: CUDA graphs left off (set "
+                          f"use_cuda_graph to choose)", RuntimeWarning, stacklevel=3)
+        cb_config.use_cuda_graph = not eager  # both paths: (varlen/prefill, decode)
     if cb_config.use_async_batching is None:
         cb_config.use_async_batching = True
     return cb_config
@@ -102,27 +134,36 @@ def zos_warmup_counts(backend, max_requests: int, padded_q) -> list[int]:
     return sorted(largest.values())
 
 
+def varlen_warmup_sizes(padded_q, max_batch_tokens: int) -> list[int]:
+    """The padded query sizes of every prefill or mixed step of 1 .. ``max_batch_tokens``
+    query tokens (``padded_q``: transformers' padding of a varlen step,
+    ``ModelRunner.maybe_pad_inputs``), in increasing order: one graph key each under zos's
+    varlen attention (:func:`~zos.integrations.hf_rows.varlen_graph_key`)."""
+    return sorted({padded_q(t) for t in range(1, max_batch_tokens + 1)})
+
+
 @torch.no_grad()
-def _warmup_step(bp, model, n: int, fast: bool) -> None:
-    """One decode batch of ``n`` warm-up requests of one KV block each through ``bp``, as the
-    scheduler would hand it over (decode fast path ``fast``, transformers' padding), then its
-    blocks freed: with graphs on, the batch's graph is captured (or replayed if it exists).
-    transformers' ``run_one_warmup`` pads decode batches as its block-table path does, which a
-    batch of a model without that path (sdpa) never takes. Without autograd whatever the
-    caller's mode (transformers' ``ContinuousBatchingManager.warmup`` sets none, and its server
-    starts the manager with autograd on): a step's K/V write into the cache would otherwise
-    make the cache part of an autograd graph that keeps every warm-up forward's activations
-    alive."""
+def _warmup_step(bp, model, n: int, query_length: int, past: int, fast: bool) -> None:
+    """One batch of ``n`` warm-up requests through ``bp``, each with ``query_length`` query
+    tokens after ``past`` cached ones, as the scheduler would hand it over (decode fast path
+    ``fast``, transformers' padding), then its blocks freed: with graphs on, the batch's graph
+    is captured (or replayed if it exists). transformers' ``run_one_warmup`` pads decode
+    batches as its block-table path does, which a batch of a model without that path (sdpa)
+    never takes, and warms up one varlen size. Without autograd whatever the caller's mode
+    (transformers' ``ContinuousBatchingManager.warmup`` sets none, and its server starts the
+    manager with autograd on): a step's K/V write into the cache would otherwise make the cache
+    part of an autograd graph that keeps every warm-up forward's activations alive."""
     from transformers.generation.continuous_batching.requests import RequestStatus
     from transformers.generation.continuous_batching.utils import create_warmup_future_states
 
     cache, runner, ios = bp.cache, bp.model_runner, bp.inputs_and_outputs
-    past = cache.block_size - 1  # the query token is the block's last
-    states = create_warmup_future_states(n, RequestStatus.DECODING, 1, past, cache)
+    status = RequestStatus.DECODING if query_length == 1 else RequestStatus.PREFILLING
+    states = create_warmup_future_states(n, status, query_length, past, cache)
     try:
         if len(states) < n:
-            raise RuntimeError(f"zos: no KV blocks for a warm-up batch of {n} requests")
-        q, kv = runner.maybe_pad_inputs(n, past, fast)
+            raise RuntimeError(f"zos: no KV blocks for a warm-up batch of {n} requests of "
+                               f"{query_length + past} tokens")
+        q, kv = runner.maybe_pad_inputs(n * query_length, past, fast)
         ios.prepare_batch_tensors(states, bp.logit_processor, fast, q, kv, use_padding=True)
         runner.compute_batch(model, ios.get_model_kwargs(use_padding=True))
     finally:
@@ -131,39 +172,44 @@ def _warmup_step(bp, model, n: int, fast: bool) -> None:
 
 
 def _warm_up_zos(bp, model) -> None:
-    """Capture every decode graph of zos (:func:`zos_warmup_counts`) on each IO pair of ``bp``
-    (a ``ContinuousBatchProcessor`` with zos's IOs and decode graphs), with the random number
-    generators' state restored after them: a warm-up samples (the eager run before each
-    capture), and a seeded run must draw what transformers' own would after its warm-up. Keys
-    of more requests than the KV cache has free blocks are left to their first use, with a
-    RuntimeWarning.
+    """Capture every graph of zos's key space on each IO pair of ``bp`` (a
+    ``ContinuousBatchProcessor`` with zos's IOs): with decode graphs on, every decode graph
+    (:func:`zos_warmup_counts`); with varlen graphs on, one prefill step per padded query size
+    (:func:`varlen_warmup_sizes`). The random number generators' state is restored after them:
+    a warm-up samples (the eager run before each capture), and a seeded run must draw what
+    transformers' own would after its warm-up. Decode keys of more requests than the KV cache
+    has free blocks are left to their first use, with a RuntimeWarning.
 
     Raises:
         whatever a capture raises (transformers logs its own warm-up's errors and goes on; a
         failed capture leaves CUDA's generator unusable for the process, so zos does not hide
         one).
     """
-    ios, runner = bp.inputs_and_outputs, bp.model_runner
-    if ios.zos is None or not runner.use_cuda_graph_decode:
+    ios, runner, cache = bp.inputs_and_outputs, bp.model_runner, bp.cache
+    if ios.zos is None or not (runner.use_cuda_graph_decode or runner.use_cuda_graph_varlen):
         return
-    fast = bp.cache.max_blocks_per_request > 0  # what the scheduler says of a short decode batch
-    max_requests = ios.zos.buffers.max_num_reqs
-
-    def padded_q(n):
-        return runner.maybe_pad_inputs(n, bp.cache.block_size - 1, fast)[0]
-
-    counts = zos_warmup_counts(ios.zos.backend, max_requests, padded_q)
-    free = bp.cache.get_num_free_blocks()
-    if counts and counts[-1] > free:
-        warnings.warn(f"zos: the KV cache has {free} free blocks, so decode graphs of more "
-                      f"requests ({[n for n in counts if n > free]}) are captured on first use",
-                      RuntimeWarning, stacklevel=3)
-        counts = [n for n in counts if n <= free]
+    fast = cache.max_blocks_per_request > 0  # what the scheduler says of a short decode batch
+    past = cache.block_size - 1  # a decode warm-up's query token is its block's last
+    counts, sizes = [], []
+    if runner.use_cuda_graph_decode:
+        counts = zos_warmup_counts(ios.zos.backend, ios.zos.buffers.max_num_reqs,
+                                   lambda n: runner.maybe_pad_inputs(n, past, fast)[0])
+        free = cache.get_num_free_blocks()
+        if counts and counts[-1] > free:
+            warnings.warn(f"zos: the KV cache has {free} free blocks, so decode graphs of more "
+                          f"requests ({[n for n in counts if n > free]}) are captured on first "
+                          f"use", RuntimeWarning, stacklevel=3)
+            counts = [n for n in counts if n <= free]
+    if runner.use_cuda_graph_varlen:
+        sizes = varlen_warmup_sizes(lambda t: runner.maybe_pad_inputs(t, 0, False)[0],
+                                    cache.max_batch_tokens)
     pairs = getattr(ios, "io_pairs", None)
     with torch.random.fork_rng(devices=[bp.model_device]):
         for _ in range(len(pairs) if pairs else 1):
             for n in counts:
-                _warmup_step(bp, model, n, fast)
+                _warmup_step(bp, model, n, 1, past, fast)
+            for q in sizes:
+                _warmup_step(bp, model, 1, q, 0, False)
             if pairs:
                 ios.swap_io_pairs()
 
@@ -184,7 +230,8 @@ def install_manager_hook() -> None:
     def __init__(self, model, generation_config, continuous_batching_config,
                  workload_hints=None):
         if zos_on(model):
-            continuous_batching_config = fastest_mode(continuous_batching_config, model)
+            continuous_batching_config = fastest_mode(continuous_batching_config, model,
+                                                      generation_config)
         original_init(self, model, generation_config, continuous_batching_config,
                       workload_hints)
 
@@ -247,7 +294,7 @@ def install_manager_hook() -> None:
 
     def start(self):
         if (zos_on(self.model) and not self.is_running()
-                and self.continuous_batching_config.cuda_graph_booleans[1]):
+                and any(self.continuous_batching_config.cuda_graph_booleans)):
             fresh = self.batch_processor is None  # a new processor has no graph
             if fresh:  # created outside the fork below: it seeds the generators (set_tp_seed)
                 self.batch_processor = self._create_batch_processor()

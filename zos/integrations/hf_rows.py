@@ -312,3 +312,13 @@ def num_sampled(requests, num_q_tokens: int, max_requests: int, use_padding: boo
 def graph_key(md: StepMetadata, num_sampled: int) -> tuple:
     """The key of a zos step's graph in transformers' graph store (never one of its own)."""
     return ("zos", md.padded_size, num_sampled)
+
+
+def varlen_graph_key(num_q_tokens: int) -> tuple:
+    """The key of a prefill or mixed step's graph in transformers' graph store when zos's varlen
+    attention runs it (never one of transformers' own): its padded query tokens only.
+    transformers' own key adds the padded past tokens read and ``max_seqlen_k``, which size its
+    mask and key gather; zos's attention reads the whole read-index row in place whatever those
+    are (:func:`~zos.integrations.hf_ios.varlen_graphed`), so one graph per padded query size
+    serves every step of that size."""
+    return ("zos_varlen", num_q_tokens)

@@ -10,9 +10,9 @@ created; everything else is transformers' server: its routes (``/v1/chat/complet
 away, request options and their limits (one generation config per manager, taken from the first
 request: temperature and top-p of later requests are not applied; per request only
 ``max_tokens`` and the end-of-sequence token), and its ``--cb-*`` options. On CUDA the manager
-runs zos's fastest mode (:func:`zos.integrations.transformers.enable_zos`): decode graphs unless
-``--cb-use-cuda-graph`` / ``--no-cb-use-cuda-graph`` chooses, and asynchronous batching (the
-server has no flag for it).
+runs zos's fastest mode (:func:`zos.integrations.transformers.enable_zos`): CUDA graphs on both
+paths, captured in the warm-up, unless ``--cb-use-cuda-graph`` / ``--no-cb-use-cuda-graph``
+chooses, and asynchronous batching (the server has no flag for it).
 
 The model comes from a local directory only: :func:`main` refuses anything else and runs the
 server with ``HF_HUB_OFFLINE=1``. Needs the ``hf`` extra (transformers 5.17.0 and its serving

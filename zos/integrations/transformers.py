@@ -11,8 +11,8 @@ object's ``carry_over_tokens``. :func:`enable_zos` wraps five methods of
 user left the choice to transformers, CUDA graphs and asynchronous batching on CUDA; zos's IOs,
 :mod:`zos.integrations.hf_ios`, in place of transformers' synchronous or asynchronous ones;
 ``paged|zos``, never flash, with the model's own attention back when the manager stops;
-cancelled requests finished for the batch in flight; every decode graph of zos captured in the
-warm-up, which a manager with graphs runs before it starts), and registers one dispatcher
+cancelled requests finished for the batch in flight; every graph of a zos-served run captured
+in the warm-up, which a manager with graphs runs before it starts), and registers one dispatcher
 as ``"paged|sdpa"`` and ``"paged|zos"`` in ``AttentionInterface`` (zos's decode for zos's
 steps, zos's varlen attention for the other steps under ``paged|zos``, transformers'
 ``paged|sdpa`` for a model on that name). Everything else is transformers': its scheduler,
@@ -42,8 +42,11 @@ Per step:
 * prefill or mixed: transformers' own methods build the step (its ``cu_seq_lens_q/k``,
   ``read_index``, ``write_index``; no 4-D mask, which transformers builds for ``paged|sdpa``
   only), and :func:`zos_paged_attention` runs zos's varlen attention
-  (:func:`zos.varlen_attention.varlen_attention`) over the cache in place. The next zos step
-  stages every row as new: 5 record words, 2 row words and the row's block ids per request.
+  (:func:`zos.varlen_attention.varlen_attention`) over the cache in place; with transformers'
+  varlen graphs on, inside the graph of the step's padded query size (key ``("zos_varlen",
+  padded query tokens)``, captured in the warm-up; the step reads the whole read-index row,
+  :func:`zos.integrations.hf_ios.varlen_graphed`). The next zos step stages every row as new:
+  5 record words, 2 row words and the row's block ids per request.
 
 Block ids: transformers hands out blocks 0 .. num_blocks - 1 and keeps two blocks past them
 (``cache.read_trash_index``: a zeroed block never written; ``write_trash_index``: written by
