@@ -340,7 +340,8 @@ def over_best(ours: dict, peers: list[dict]) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="smollm2,llama1b")
-    ap.add_argument("--servers", default=",".join(SERVERS))
+    ap.add_argument("--servers", help=f"comma-separated, of {SERVERS} (default: all; "
+                    f"--smoke: tf_graphs,zos, graphs need CUDA)")
     ap.add_argument("--streams", default="16,64,256", help="concurrent streams per level")
     ap.add_argument("--requests-per-stream", type=int, default=2)
     ap.add_argument("--ramp", type=float, default=2.0, help="seconds over which streams start")
@@ -366,7 +367,7 @@ def main(argv=None) -> int:
         args.models, args.streams, args.device, args.dtype = "tiny", "2,4", "cpu", "float32"
         args.num_blocks, args.max_batch_tokens, args.max_output = 256, 256, 8
         args.max_prompt, args.requests_per_stream = 48, 1
-        args.servers = "tf_graphs,zos"  # no graphs on a CPU
+    args.servers = args.servers or ("tf_graphs,zos" if args.smoke else ",".join(SERVERS))
     import torch
     import transformers
     from transformers import AutoTokenizer

@@ -388,11 +388,11 @@ def test_fastest_mode_fills_only_what_the_user_left_open():
 
 
 def test_fastest_mode_leaves_graphs_off_for_processors_not_marked_ready():
-    """A logits processor transformers has not marked ready for continuous batching (it may
-    not survive a graph capture: SuppressTokensLogitsProcessor fails one on the H200) keeps
-    zos's mode off graphs, with one warning; temperature / top-k / top-p (marked ready) and
-    processors transformers drops (repetition penalty, marked unsupported) do not, unless the
-    config keeps the dropped ones."""
+    """A logits processor transformers has not marked ready for continuous batching and that
+    was not captured on a GPU (SuppressTokensLogitsProcessor fails a capture on the H200) keeps
+    zos's mode off graphs, with one warning; temperature / top-k / top-p (marked ready), min-p
+    (captured on the H200) and processors transformers drops (repetition penalty, marked
+    unsupported) do not, unless the config keeps the dropped ones."""
     from types import SimpleNamespace
 
     from zos.integrations.hf_manager import fastest_mode as _fastest_mode
@@ -400,8 +400,9 @@ def test_fastest_mode_leaves_graphs_off_for_processors_not_marked_ready():
     real = tiny_llama(0)
     model = SimpleNamespace(device=torch.device("cuda"),
                             _get_logits_processor=real._get_logits_processor)
-    ready = GenerationConfig(do_sample=True, temperature=0.7, top_k=5, top_p=0.9,
+    ready = GenerationConfig(do_sample=True, temperature=0.7, top_k=5, top_p=0.9, min_p=0.05,
                              repetition_penalty=1.2)
+    assert "MinPLogitsWarper" in [type(p).__name__ for p in real._get_logits_processor(ready)]
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
         got = _fastest_mode(ContinuousBatchingConfig(), model, ready)

@@ -33,9 +33,12 @@ from transformers.generation.continuous_batching.requests import (  # noqa: E402
     RequestState,
     RequestStatus,
 )
-from transformers.generation.continuous_batching.utils import CudaGraphBuffer  # noqa: E402
+from transformers.generation.continuous_batching.utils import (  # noqa: E402
+    CudaGraphBuffer,
+    pad_to_interval,
+)
 
-from zos.integrations.hf_manager import varlen_warmup_sizes, zos_warmup_counts  # noqa: E402
+from zos.integrations.hf_manager import varlen_warmup_counts, zos_warmup_counts  # noqa: E402
 from zos.integrations.hf_rows import graph_key, num_sampled, varlen_graph_key  # noqa: E402
 from zos.integrations.transformers import ZosOptions, disable_zos, enable_zos  # noqa: E402
 
@@ -74,18 +77,20 @@ def test_warmup_counts_meet_every_graph_key_once(policy, max_requests, interval)
 
 @pytest.mark.parametrize("max_batch_tokens,interval", [(512, 64), (100, 64), (37, 1), (64, 64),
                                                       (130, 16)])
-def test_varlen_warmup_sizes_meet_every_padded_query_size(max_batch_tokens, interval):
-    """One size per varlen graph key a step of 1 .. max_batch_tokens query tokens uses:
-    transformers pads a varlen step's query to a multiple of its interval, capped at
-    max_batch_tokens (``pad_to_interval``)."""
-    def padded_q(t):
-        return min(-(-t // interval) * interval, max_batch_tokens)
+def test_varlen_warmup_counts_meet_every_padded_query_size(max_batch_tokens, interval):
+    """One count per varlen graph key a step of 2 .. max_batch_tokens query tokens uses (its
+    query padded as transformers pads a varlen step, ``pad_to_interval``), each the smallest
+    count with that key; never 1 (a one-request warm-up of one token is zos's decode step)."""
+    def key(t):
+        return varlen_graph_key(pad_to_interval(t, interval, max_batch_tokens))
 
-    sizes = varlen_warmup_sizes(padded_q, max_batch_tokens)
-    want = list(range(interval, max_batch_tokens, interval)) + [max_batch_tokens]
-    assert sizes == sorted(set(want))
-    assert {varlen_graph_key(q) for q in sizes} == {varlen_graph_key(padded_q(t))
-                                                    for t in range(1, max_batch_tokens + 1)}
+    ours = varlen_warmup_counts(lambda t: pad_to_interval(t, interval, max_batch_tokens),
+                                max_batch_tokens)
+    every = {key(t) for t in range(2, max_batch_tokens + 1)}
+    assert {key(t) for t in ours} == every and len(ours) == len(every)
+    assert ours == sorted(ours) and 1 not in ours
+    for t in ours:
+        assert t == min(u for u in range(2, max_batch_tokens + 1) if key(u) == key(t))
 
 
 @contextlib.contextmanager
@@ -200,9 +205,7 @@ def test_every_zos_graph_is_captured_in_the_warmup(graph_keys, graphs, asynchron
     needs its block-table path); a manager started without a warm-up (transformers' server
     starts its manager that way) warms up first: no graph is captured once requests run, every
     bucket's key is captured there, once per IO pair, with varlen graphs on also every padded
-    query size (64 .. 512), and the tokens are generate()'s (prefill and mixed steps replayed
-    from graphs captured on other steps' sizes: zos's varlen attention reads the whole read
-    index)."""
+    query size (64 .. 512), and the tokens are generate()'s."""
     model = tiny_llama(17)
     lengths = [1 + (7 * i) % 23 for i in range(28)]
     inputs = prompts(17, lengths, model.config.vocab_size)
@@ -223,6 +226,28 @@ def test_every_zos_graph_is_captured_in_the_warmup(graph_keys, graphs, asynchron
     assert varlen_warm == (set(range(64, 513, 64)) if graphs is True else set())
     for i, (p, n) in enumerate(zip(inputs, new)):
         assert got[f"r{i}"] == reference(model, p, n), i
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs")
+def test_varlen_graphs_replay_across_padded_past(graph_keys):
+    """transformers pads a varlen step's past read to ``kv_padding_interval_size`` (4 tokens
+    here, instead of 16,384 that the cache never exceeds in the other tests) and keys its own
+    graph by it; zos keys by the padded query size alone and passes the whole read-index row,
+    so one graph serves steps of every past length: chunked prompts (16 batch tokens) and mixed
+    steps over pasts of 1 .. 38 tokens give generate()'s tokens, no graph captured once
+    requests run. (On the H200, 2026-12-03, a configuration like this one with transformers'
+    read-index view inside zos's graphs gave 3 of 8 requests other tokens.)"""
+    model = tiny_llama(23)
+    inputs = prompts(23, (3, 30, 1, 17, 9, 25, 5, 12), model.config.vocab_size)
+    cb = cb_config(use_cuda_graph=True, use_async_batching=True, max_requests_per_batch=8,
+                   max_batch_tokens=16, num_blocks=96, q_padding_interval_size=8,
+                   kv_padding_interval_size=4)
+    got = manager_results(model, gen_config(9), cb, True, 0, [(p, {}) for p in inputs],
+                          len(inputs), after_start=lambda: graph_keys.append("run"))
+    run = graph_keys[graph_keys.index("run") + 1:]
+    assert not run, run
+    for i, p in enumerate(inputs):
+        assert got[f"r{i}"] == reference(model, p, 9), i
 
 
 def test_cancelled_streams_leave_the_others_whole():

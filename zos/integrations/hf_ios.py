@@ -1,8 +1,8 @@
 """transformers 5.17's IO objects with zos's decode steps: synchronous (:class:`ZosIOs`) and
 asynchronous (:class:`ZosAsyncIOs`) batching, with or without transformers' CUDA graphs.
 
-Both subclass transformers' own IO class and change four of its methods, for decode-only
-batches only (:class:`~zos.integrations.hf_rows.ZosDecodeRows` says which):
+Both subclass transformers' own IO class and change four of its methods for decode-only
+batches (:class:`~zos.integrations.hf_rows.ZosDecodeRows` says which):
 
 * ``prepare_batch_tensors``: zos stages the step (its record into zos's staging ring, whose
   slots the prep kernels release through its done word) and does transformers' per-request
@@ -15,15 +15,18 @@ batches only (:class:`~zos.integrations.hf_rows.ZosDecodeRows` says which):
   (``use_block_table`` reads True, so the decode graph setting applies). The logits processors
   and the sampler run the rows transformers' own IOs would sample for the batch (its padded
   size with graphs, N without), so a seeded sampling run draws the same random numbers and
-  samples the same tokens as transformers' (``ZosDecodeRows.model_kwargs``).
+  samples the same tokens as transformers' (``ZosDecodeRows.model_kwargs``) wherever both
+  capture the same graphs outside requests (transformers' run captures a varlen graph inside
+  a request, with its eager run's draws, whenever the request meets a key its warm-up did not;
+  zos's run never does).
 
 Prefill and mixed batches are transformers' own methods; under ``"paged|zos"`` transformers
 builds no 4-D mask for them: zos's varlen attention reads its ``cu_seq_lens_*`` and cache
 indices instead (:func:`zos.integrations.transformers.zos_paged_attention`). With transformers'
-varlen graphs on, such a step reads the whole read-index row and its graph key is its padded
-query size alone (:func:`varlen_graphed`): one graph per size, captured in the warm-up, where
-transformers' own key also holds the padded past and ``max_seqlen_k`` (up to hundreds of keys,
-each captured on first use, inside users' requests).
+varlen graphs on, ``get_model_kwargs`` passes such a step the whole read-index row and the graph
+key is its padded query size alone (:func:`varlen_graphed`): one graph per size, captured in
+the warm-up, where transformers' own key also holds the padded past and ``max_seqlen_k`` (up
+to hundreds of keys, each captured on first use, inside users' requests).
 Classes are built on first use so that importing zos needs no transformers.
 """
 from __future__ import annotations
@@ -86,10 +89,10 @@ def varlen_graphed(zos, io) -> bool:
     asynchronous IOs' device side of the current pair) is a prefill or mixed step that zos's
     varlen attention runs inside transformers' varlen CUDA graph (``zos``: the IOs'
     :class:`ZosDecodeRows`, None when zos serves no step: the model then runs transformers'
-    ``paged|sdpa``, whose mask is sized by the read index). Such a step reads the cache (with
-    padding transformers' past read is never 0)."""
-    return (zos is not None and io.use_cuda_graph_varlen and not io.use_block_table
-            and io.max_kv_read > 0)
+    ``paged|sdpa``, whose mask is sized by the read index). Such a step reads the cache: its
+    ``max_kv_read`` is > 0 (transformers sets 0 for a block-table step, and with padding, which
+    graphs imply, pads any other past to at least one interval)."""
+    return zos is not None and io.use_cuda_graph_varlen and io.max_kv_read > 0
 
 
 def _whole_read_index(io, kwargs):

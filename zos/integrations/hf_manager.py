@@ -13,7 +13,7 @@
   that name), never flash; with torch.compile configs on ``paged|sdpa``, transformers' own;
 * ``warmup``: transformers' warm-up, then one batch per graph key of zos's, per IO pair (a
   decode batch per key of :func:`zos_warmup_counts`, a prefill step per padded query size of
-  :func:`varlen_warmup_sizes`): every graph of a zos-served run is captured there, none during
+  :func:`varlen_warmup_counts`): every graph of a zos-served run is captured there, none during
   a user's requests (transformers' own decode warm-up runs only for its block-table path,
   which sdpa has not, and its varlen warm-up covers one size);
 * ``start``: a manager with graphs whose batch processor zos serves and that was not
@@ -41,22 +41,31 @@ def _compiled(cb_config) -> bool:
             or cb_config.decode_compile_config is not None)
 
 
+# Logits processors transformers 5.17 has not marked ready for continuous batching whose CUDA
+# graph capture gave transformers' tokens on the H200 (tests/test_hf_sampling.py in best mode,
+# greedy and sampled, 2026-12-03). Others failed there: SuppressTokensLogitsProcessor copies a
+# host tensor, NoRepeatNGramLogitsProcessor raises on its input, EtaLogitsWarper checks its
+# distribution on the host, TopHLogitsWarper's capture fails.
+CAPTURED_ON_GPU = frozenset({"MinPLogitsWarper", "TypicalLogitsWarper", "EpsilonLogitsWarper",
+                             "SequenceBiasLogitsProcessor", "LogitNormalization",
+                             "ForcedEOSTokenLogitsProcessor"})
+
+
 def uncaptured_processors(model, generation_config, cb_config) -> list[str]:
     """Class names of the logits processors transformers' continuous batching runs for
     ``generation_config`` (``model._get_logits_processor``, as its manager builds them) that
-    transformers has not marked ready for it (``supports_continuous_batching`` True: its
-    temperature, top-k and top-p warpers), leaving out those it drops (marked False, with
-    ``cb_config.drop_unsupported_processors``). Such a processor may not survive a CUDA graph
-    capture (on the H200, transformers 5.17: ``SuppressTokensLogitsProcessor`` copies a host
-    tensor, ``NoRepeatNGramLogitsProcessor`` raises on its input, ``EtaLogitsWarper`` checks
-    its distribution on the host), and a failed capture leaves the process's CUDA state
-    unusable."""
+    are neither marked ready for it by transformers (``supports_continuous_batching`` True:
+    its temperature, top-k and top-p warpers) nor in :data:`CAPTURED_ON_GPU`, leaving out
+    those it drops (marked False, with ``cb_config.drop_unsupported_processors``). Such a
+    processor may not survive a CUDA graph capture, and a failed capture leaves the process's
+    CUDA state unusable."""
     if generation_config is None:
         return []
     names = []
     for proc in model._get_logits_processor(generation_config):
         ready = getattr(proc, "supports_continuous_batching", None)
-        if ready is True or (ready is False and cb_config.drop_unsupported_processors):
+        if (ready is True or type(proc).__name__ in CAPTURED_ON_GPU
+                or (ready is False and cb_config.drop_unsupported_processors)):
             continue
         names.append(type(proc).__name__)
     return names
@@ -66,15 +75,12 @@ def fastest_mode(cb_config, model, generation_config=None):
     """``cb_config`` with what the user left to transformers (None) set to zos's fastest mode
     on CUDA: CUDA graphs on both paths (zos's decode steps and transformers' prefill and mixed
     steps, which zos's varlen attention runs: one replay per step, every graph captured in the
-    warm-up) and asynchronous batching on. transformers' own default for an attention that
-    needs a mask is both off. Until 2026-12-03 the prefill path stayed eager: under
-    transformers' own varlen graph key (padded past and ``max_seqlen_k`` too) its graphs were
-    captured inside users' requests; bench/NOTES.md has the H200 runs behind each choice.
-    Graphs stay off, with a one-line RuntimeWarning, when ``generation_config`` asks for a
-    logits processor transformers has not marked ready for continuous batching
-    (:func:`uncaptured_processors`): a run that works without zos must not die in zos's
-    capture. The caller's config is not changed; on a CPU, or with compile configs, it is
-    returned as it is."""
+    warm-up) and asynchronous batching on (bench/NOTES.md has the H200 runs behind the choice).
+    transformers' own default for an attention that needs a mask is both off. Graphs stay off,
+    with a one-line RuntimeWarning, when ``generation_config`` asks for a logits processor
+    that may not survive a capture (:func:`uncaptured_processors`): a run that works without
+    zos must not die in zos's capture. The caller's config is not changed; on a CPU, or with
+    compile configs, it is returned as it is."""
     chosen = None not in (cb_config.use_cuda_graph, cb_config.use_async_batching)
     if model.device.type != "cuda" or _compiled(cb_config) or chosen:
         return cb_config
@@ -134,12 +140,20 @@ def zos_warmup_counts(backend, max_requests: int, padded_q) -> list[int]:
     return sorted(largest.values())
 
 
-def varlen_warmup_sizes(padded_q, max_batch_tokens: int) -> list[int]:
-    """The padded query sizes of every prefill or mixed step of 1 .. ``max_batch_tokens``
-    query tokens (``padded_q``: transformers' padding of a varlen step,
-    ``ModelRunner.maybe_pad_inputs``), in increasing order: one graph key each under zos's
-    varlen attention (:func:`~zos.integrations.hf_rows.varlen_graph_key`)."""
-    return sorted({padded_q(t) for t in range(1, max_batch_tokens + 1)})
+MAX_VARLEN_WARMUP = 256  # padded query sizes captured in the warm-up, per IO pair
+
+
+def varlen_warmup_counts(padded_q, max_batch_tokens: int) -> list[int]:
+    """Query token counts of prefill warm-ups that capture every graph key a prefill or mixed
+    step of 2 .. ``max_batch_tokens`` query tokens can use under zos's varlen attention
+    (:func:`~zos.integrations.hf_rows.varlen_graph_key` of ``padded_q(t)``; ``padded_q``:
+    transformers' padding of a varlen step, ``ModelRunner.maybe_pad_inputs``; a one-request
+    warm-up of one query token would be zos's decode step). One count per key, the smallest
+    with that key (the fewest KV blocks for the warm-up request), in increasing order."""
+    smallest = {}
+    for t in range(max_batch_tokens, 1, -1):
+        smallest[padded_q(t)] = t
+    return sorted(smallest.values())
 
 
 @torch.no_grad()
@@ -175,10 +189,12 @@ def _warm_up_zos(bp, model) -> None:
     """Capture every graph of zos's key space on each IO pair of ``bp`` (a
     ``ContinuousBatchProcessor`` with zos's IOs): with decode graphs on, every decode graph
     (:func:`zos_warmup_counts`); with varlen graphs on, one prefill step per padded query size
-    (:func:`varlen_warmup_sizes`). The random number generators' state is restored after them:
+    (:func:`varlen_warmup_counts`). The random number generators' state is restored after them:
     a warm-up samples (the eager run before each capture), and a seeded run must draw what
-    transformers' own would after its warm-up. Decode keys of more requests than the KV cache
-    has free blocks are left to their first use, with a RuntimeWarning.
+    transformers' own would after its warm-up. Keys whose warm-up needs more KV blocks than the
+    cache has free, and varlen keys past the first :data:`MAX_VARLEN_WARMUP` (a padding
+    interval far below ``max_batch_tokens``), are left to their first use, with a
+    RuntimeWarning.
 
     Raises:
         whatever a capture raises (transformers logs its own warm-up's errors and goes on; a
@@ -190,26 +206,34 @@ def _warm_up_zos(bp, model) -> None:
         return
     fast = cache.max_blocks_per_request > 0  # what the scheduler says of a short decode batch
     past = cache.block_size - 1  # a decode warm-up's query token is its block's last
-    counts, sizes = [], []
+    free = cache.get_num_free_blocks()
+    counts, tokens = [], []
     if runner.use_cuda_graph_decode:
         counts = zos_warmup_counts(ios.zos.backend, ios.zos.buffers.max_num_reqs,
                                    lambda n: runner.maybe_pad_inputs(n, past, fast)[0])
-        free = cache.get_num_free_blocks()
         if counts and counts[-1] > free:
             warnings.warn(f"zos: the KV cache has {free} free blocks, so decode graphs of more "
                           f"requests ({[n for n in counts if n > free]}) are captured on first "
                           f"use", RuntimeWarning, stacklevel=3)
             counts = [n for n in counts if n <= free]
     if runner.use_cuda_graph_varlen:
-        sizes = varlen_warmup_sizes(lambda t: runner.maybe_pad_inputs(t, 0, False)[0],
-                                    cache.max_batch_tokens)
+        tokens = varlen_warmup_counts(lambda t: runner.maybe_pad_inputs(t, 0, False)[0],
+                                      cache.max_batch_tokens)
+        fits = [t for t in tokens if -(-t // cache.block_size) <= free]
+        if len(fits) > MAX_VARLEN_WARMUP or len(fits) < len(tokens):
+            warnings.warn(f"zos: {len(tokens)} prefill graph sizes, {len(fits)} within the KV "
+                          f"cache's {free} free blocks; the warm-up captures "
+                          f"{min(len(fits), MAX_VARLEN_WARMUP)}, the rest on first use (a "
+                          f"larger q_padding_interval_size gives fewer sizes)", RuntimeWarning,
+                          stacklevel=3)
+        tokens = fits[:MAX_VARLEN_WARMUP]
     pairs = getattr(ios, "io_pairs", None)
     with torch.random.fork_rng(devices=[bp.model_device]):
         for _ in range(len(pairs) if pairs else 1):
             for n in counts:
                 _warmup_step(bp, model, n, 1, past, fast)
-            for q in sizes:
-                _warmup_step(bp, model, 1, q, 0, False)
+            for t in tokens:
+                _warmup_step(bp, model, 1, t, 0, False)
             if pairs:
                 ios.swap_io_pairs()
 
