@@ -93,6 +93,31 @@ def test_varlen_warmup_counts_meet_every_padded_query_size(max_batch_tokens, int
         assert t == min(u for u in range(2, max_batch_tokens + 1) if key(u) == key(t))
 
 
+@pytest.mark.parametrize("cap", [256, 2])
+def test_varlen_warmup_leaves_what_the_cache_cannot_hold_to_first_use(monkeypatch, cap):
+    """A padded query size whose warm-up request needs more KV blocks than are free is left to
+    first use with a warning, as is every size past the cap (``MAX_VARLEN_WARMUP``), instead of
+    failing the warm-up (transformers' own warm-up logs such a failure and goes on): 8 free
+    blocks of 4 tokens hold warm-ups of up to 32 tokens, so of the sizes 8 .. 64 (a 64-token
+    batch padded to multiples of 8) only 8 .. 32 are warmed up, each with its fewest tokens."""
+    from zos.integrations import hf_manager
+
+    calls = []
+    monkeypatch.setattr(hf_manager, "_warmup_step",
+                        lambda bp, model, n, q, past, fast: calls.append((n, q, past, fast)))
+    monkeypatch.setattr(hf_manager, "MAX_VARLEN_WARMUP", cap)
+    monkeypatch.setattr(torch.random, "fork_rng", lambda **kw: contextlib.nullcontext())
+    runner = SimpleNamespace(use_cuda_graph_decode=False, use_cuda_graph_varlen=True,
+                             maybe_pad_inputs=lambda t, past, fast: (min(-(-t // 8) * 8, 64), 0))
+    cache = SimpleNamespace(max_blocks_per_request=0, block_size=4, max_batch_tokens=64,
+                            get_num_free_blocks=lambda: 8)
+    bp = SimpleNamespace(inputs_and_outputs=SimpleNamespace(zos=object()), model_runner=runner,
+                         cache=cache, model_device=torch.device("cpu"))
+    with pytest.warns(RuntimeWarning, match="8 prefill graph sizes, 4 within"):
+        hf_manager._warm_up_zos(bp, None)
+    assert calls == [(1, t, 0, False) for t in [2, 9, 17, 25][:cap]]
+
+
 @contextlib.contextmanager
 def zos_batch_processor(seed: int, max_new_tokens: int):
     """(model, batch processor): a zos-enabled tiny Llama (``test_hf.tiny_llama(seed)``) and
