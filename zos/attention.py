@@ -76,6 +76,37 @@ def check_same_kv(where: str, k_cache: torch.Tensor, v_cache: torch.Tensor) -> N
                          f"{tuple(k_cache.shape)} {k_cache.dtype} {k_cache.device}")
 
 
+def check_dtypes(where: str, q: torch.Tensor, cache: torch.Tensor, cache_name: str) -> None:
+    """TypeError (prefixed ``where``) unless ``cache`` is bfloat16, float16 or float32 and ``q``
+    has its dtype: the kernels' loads and dots assume one float dtype."""
+    if cache.dtype not in _DTYPES:
+        raise TypeError(f"{where}: {cache_name} dtype must be bfloat16, float16 or float32, got "
+                        f"{cache.dtype}")
+    if q.dtype != cache.dtype:
+        raise TypeError(f"{where}: q dtype {q.dtype} != {cache_name} dtype {cache.dtype}")
+
+
+def check_out(where: str, out: torch.Tensor | None, q: torch.Tensor) -> None:
+    """ValueError / TypeError (prefixed ``where``) unless ``out`` is None or has ``q``'s shape
+    and dtype (the launchers write it in place)."""
+    if out is None:
+        return
+    if tuple(out.shape) != tuple(q.shape):
+        raise ValueError(f"{where}: out must have q's shape {tuple(q.shape)}, got "
+                         f"{tuple(out.shape)}")
+    if out.dtype != q.dtype:
+        raise TypeError(f"{where}: out dtype {out.dtype} != q dtype {q.dtype}")
+
+
+def check_scale(where: str, scale) -> None:
+    """TypeError unless ``scale`` is a Python int or float (not bool), ValueError unless it is
+    finite and > 0 (prefixed ``where``)."""
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"{where}: scale must be a Python float, got {type(scale).__name__}")
+    if not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"{where}: scale must be finite and > 0, got {scale}")
+
+
 def _check_args(q, kv_cache, block_table, seq_lens, scale, out, num_splits) -> None:
     """Checks of :func:`paged_decode_attention` (one ``[2, ...]`` cache); reads no device value."""
     where = "paged_decode_attention"
@@ -137,21 +168,12 @@ def _check_common(where, cache_name, cache, q, block_table, seq_lens, scale, out
     if q.shape[0] < r or q.shape[0] % r != 0:
         raise ValueError(f"{where}: q has T={q.shape[0]} token rows, which must be a positive "
                          f"multiple of R={r} (block_table rows)")
-    if cache.dtype not in _DTYPES:
-        raise TypeError(f"{where}: {cache_name} dtype must be bfloat16, float16 or float32, got "
-                        f"{cache.dtype}")
-    if q.dtype != cache.dtype:
-        raise TypeError(f"{where}: q dtype {q.dtype} != {cache_name} dtype {cache.dtype}")
+    check_dtypes(where, q, cache, cache_name)
     if block_table.dtype != torch.int32:
         raise TypeError(f"{where}: block_table must be int32, got {block_table.dtype}")
     if seq_lens.dtype != torch.int32:
         raise TypeError(f"{where}: seq_lens must be int32, got {seq_lens.dtype}")
-    if out is not None:
-        if tuple(out.shape) != tuple(q.shape):
-            raise ValueError(f"{where}: out must have q's shape {tuple(q.shape)}, got "
-                             f"{tuple(out.shape)}")
-        if out.dtype != q.dtype:
-            raise TypeError(f"{where}: out dtype {out.dtype} != q dtype {q.dtype}")
+    check_out(where, out, q)
     named = [("q", q), ("block_table", block_table), ("seq_lens", seq_lens)]
     if out is not None:
         named.append(("out", out))
@@ -161,10 +183,7 @@ def _check_common(where, cache_name, cache, q, block_table, seq_lens, scale, out
     if not cache.is_contiguous():
         raise ValueError(f"{where}: {cache_name} must be contiguous, got strides "
                          f"{tuple(cache.stride())}")
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        raise TypeError(f"{where}: scale must be a Python float, got {type(scale).__name__}")
-    if not math.isfinite(scale) or scale <= 0:
-        raise ValueError(f"{where}: scale must be finite and > 0, got {scale}")
+    check_scale(where, scale)
     if num_splits is not None:
         check_int(f"{where}: num_splits", num_splits)
 

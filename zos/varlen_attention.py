@@ -10,17 +10,14 @@ shapes only (CUDA-graph capturable with padded shapes).
 """
 from zos._interpret import interpreted  # sets TRITON_INTERPRET before triton is imported
 
-import math
-
 import torch
 import triton
 
-from zos.attention import check_same_kv
+from zos.attention import check_dtypes, check_out, check_same_kv, check_scale
 from zos.triton_kernels.varlen_attention import varlen_attention_kernel
 
 __all__ = ["varlen_attention"]
 
-_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _LOG2E = 1.4426950408889634
 _NUM_WARPS = 4
 _NUM_STAGES = 2
@@ -51,11 +48,7 @@ def _check(q, k_cache, v_cache, kv_slots, cu_seqlens_q, cu_seqlens_k, scale, out
     if q.shape[1] % hkv != 0:
         raise ValueError(f"{where}: q num_heads {q.shape[1]} must be a multiple of k_cache "
                          f"num_kv_heads {hkv}")
-    if k_cache.dtype not in _DTYPES:
-        raise TypeError(f"{where}: k_cache dtype must be bfloat16, float16 or float32, got "
-                        f"{k_cache.dtype}")
-    if q.dtype != k_cache.dtype:
-        raise TypeError(f"{where}: q dtype {q.dtype} != k_cache dtype {k_cache.dtype}")
+    check_dtypes(where, q, k_cache, "k_cache")
     if kv_slots.dim() != 1 or kv_slots.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"{where}: kv_slots must be 1-D int32 or int64, got shape "
                          f"{tuple(kv_slots.shape)} {kv_slots.dtype}")
@@ -72,19 +65,11 @@ def _check(q, k_cache, v_cache, kv_slots, cu_seqlens_q, cu_seqlens_k, scale, out
     if cu_seqlens_k.shape != cu_seqlens_q.shape:
         raise ValueError(f"{where}: cu_seqlens_k shape {tuple(cu_seqlens_k.shape)} != "
                          f"cu_seqlens_q shape {tuple(cu_seqlens_q.shape)}")
-    if out is not None:
-        if tuple(out.shape) != tuple(q.shape):
-            raise ValueError(f"{where}: out must have q's shape {tuple(q.shape)}, got "
-                             f"{tuple(out.shape)}")
-        if out.dtype != q.dtype:
-            raise TypeError(f"{where}: out dtype {out.dtype} != q dtype {q.dtype}")
+    check_out(where, out, q)
     for name, t in named[:1] + named[2:] + ((("out", out),) if out is not None else ()):
         if t.device != k_cache.device:
             raise ValueError(f"{where}: {name} is on {t.device}, k_cache on {k_cache.device}")
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        raise TypeError(f"{where}: scale must be a Python float, got {type(scale).__name__}")
-    if not math.isfinite(scale) or scale <= 0:
-        raise ValueError(f"{where}: scale must be finite and > 0, got {scale}")
+    check_scale(where, scale)
 
 
 def varlen_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
