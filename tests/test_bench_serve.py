@@ -33,14 +33,26 @@ def reference(records, end):
 
 
 def test_window_starts_when_the_last_stream_starts_and_skips_failed_requests():
-    records = [rec(0, 0.0, 0.5, 4.5, 9),     # tokens at 0.5, 1.0, ..., 4.5
+    records = [rec(0, 0.0, 0.5, 4.5, 9),     # 9 tokens spread over 0.5 .. 4.5
                rec(1, 2.0, 2.0, 4.0, 5),     # the last stream's first request: window from 2.0
-               rec(1, 4.0, 5.0, 9.0, 5),     # one token (5.0) inside a window ending at 5.0
-               rec(0, 4.5, None, None, None, error="HTTP 500")]
-    # stream 0: 9 tokens spread over 0.5 .. 4.5, of which 2.0 .. 4.5 is inside: 9 * 2.5 / 4;
-    # stream 1: all 5 of the first request, none of the second (it starts at the window's end)
-    assert bench_serve.window_tokens_per_s(records, 5.0) == pytest.approx((9 * 2.5 / 4 + 5) / 3)
+               rec(1, 4.0, 5.0, 9.0, 5),     # starts at the window's end: none of it counted
+               rec(0, 4.5, 4.6, 4.8, 3, error="stream cut"),  # failed: not counted
+               rec(0, 0.1, 1.0, 1.0, 1),     # one token before the window: not counted
+               rec(0, 4.8, 4.9, 4.9, 1)]     # one token inside it: counted
+    # stream 0: of 9 tokens over 0.5 .. 4.5, the part 2.0 .. 4.5 (9 * 2.5 / 4), and one more;
+    # stream 1: all 5 of its first request
+    assert bench_serve.window_tokens_per_s(records, 5.0) == pytest.approx(
+        (9 * 2.5 / 4 + 1 + 5) / 3)
     assert bench_serve.window_tokens_per_s(records, 2.0) is None
+
+
+def test_window_ends_when_a_stream_ran_out_of_requests_before_the_deadline():
+    records = [rec(0, 0.0, 0.1, 3.0, 9), rec(0, 3.0, 3.1, 6.0, 9),  # its whole share of 2
+               rec(1, 1.0, 1.1, 9.0, 9),                             # 1 of its share of 3
+               rec(2, 1.5, 1.6, 7.0, 9), rec(2, 7.0, 7.1, 11.0, 9)]  # all 2, past the deadline
+    assert bench_serve.window_end(records, [2, 3, 2], 10.0) == (6.0, 1)
+    assert bench_serve.window_end(records, [3, 3, 3], 10.0) == (10.0, 0)
+    assert bench_serve.window_end(records, [2, 3, 2], 5.0) == (5.0, 0)
 
 
 @pytest.mark.parametrize("seed", range(5))
