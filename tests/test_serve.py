@@ -228,6 +228,34 @@ def test_zos_server_equals_transformers_server(servers):
     assert "keeps transformers' own" not in log and "Traceback" not in log, log[-3000:]
 
 
+def test_zos_server_warms_up_before_it_answers(servers):
+    """The zos server creates, warms up (on CUDA: captures every graph) and starts its manager
+    before it listens: its log has the warm-up's report before the first request it received,
+    and, on CUDA, decode graphs in it."""
+    _, _, zos = servers
+    log = zos.log()
+    ready = log.index("zos: ready in")
+    assert log.index("zos: warming up the manager of") < ready
+    received = log.find("[Request received]")
+    assert received == -1 or ready < received
+    line = log[ready:].splitlines()[0]
+    assert ("decode graphs" in line) == (DEVICE == "cuda"), line
+
+
+def test_request_options_the_manager_cannot_apply_are_warned(servers):
+    """transformers' server keeps one generation config per manager, now the model's: a request
+    asking to sample is answered (with the manager's greedy config, the same text as without
+    the option) and logged with a one-line warning."""
+    model, _, zos = servers
+    kw = dict(model=model, messages=[{"role": "user", "content": "hello options"}],
+              max_tokens=5)
+    plain = zos.client.chat.completions.create(temperature=0, **kw).choices[0].message.content
+    asked = zos.client.chat.completions.create(
+        extra_body={"generation_config": '{"do_sample": true, "temperature": 0.7}'}, **kw)
+    assert asked.choices[0].message.content == plain
+    assert "zos serve: a request asks {'do_sample': True" in zos.log()
+
+
 def test_zos_serve_refuses_what_is_not_a_local_model_directory(tmp_path):
     from zos.serving.cli import main
 

@@ -46,10 +46,13 @@ from zos.integrations.hf_rows import (
 _CLASSES = None
 
 
-def _bookkeeping(io, requests, logits_processors) -> None:
+def _bookkeeping(io, requests, logits_processors, sampled: int) -> None:
     """What transformers' ``prepare_batch_tensors`` records per request, for a zos step whose
     row i is ``requests[i]`` and samples at logits index i, on ``io`` (the synchronous IOs, or
-    the asynchronous IOs' host side of the current pair)."""
+    the asynchronous IOs' host side of the current pair). The processors' argument columns of
+    the rows sampled past the requests (``len(requests) .. sampled``: transformers' padded
+    rows, which read row 0's logits) get the processors' defaults, not what an earlier step
+    left there (transformers resets those columns only when its IOs are reset)."""
     io.num_request_in_batch = len(requests)
     io.requests_in_batch = list(requests)
     positions = io.req_id_to_new_token_position = {}
@@ -59,8 +62,9 @@ def _bookkeeping(io, requests, logits_processors) -> None:
         st.tokens_to_process = [TMP_TOKEN_ID]  # sampled by this step
         positions[st.request_id] = i
     if logits_processors.tensors_required:
-        logits_processors.prepare_tensor_args(
-            requests_in_batch=requests, arg_storage=io._bulk_input_tensor[io.static_inputs:])
+        args = io._bulk_input_tensor[io.static_inputs:]
+        logits_processors.prepare_tensor_args(requests_in_batch=requests, arg_storage=args)
+        args[:, len(requests):sampled] = io.logits_processors_defaults
 
 
 def _build_step(zos, requests, prev_positions):
@@ -157,7 +161,7 @@ def _build():
             self.zos_md = self.zos.stage(built, prev_output_ids=self.output_ids)
             self.zos_sampled = num_sampled(requests_in_batch, num_q_tokens,
                                            self.max_requests_per_batch, use_padding)
-            _bookkeeping(self, requests_in_batch, logits_processors)
+            _bookkeeping(self, requests_in_batch, logits_processors, self.zos_sampled)
             self.use_block_table = True  # transformers' runner: the decode graph setting
             _timed(self.zos_options, "zos", t0)
 
@@ -184,16 +188,22 @@ def _build():
     class ZosAsyncIOs(ContinuousBatchingAsyncIOs):
         """transformers' asynchronous IOs (two host/device IO pairs, H2D, compute and D2H
         streams) with zos's decode steps. zos keeps one set of buffers for both pairs: zos's prep
-        runs on the compute stream, in step order. A zos step transfers no
-        transformers input tensor: its record is read in place from zos's mapped staging ring,
-        and only the logits processors' per-request arguments (when a processor needs them) and
-        the rows of tokens still in flight are copied. Same arguments as the base, plus
-        ``options`` and ``serves`` (as :class:`ZosIOs`).
+        runs on the compute stream, in step order. A zos step transfers no transformers input
+        tensor: its record is read in place from zos's mapped staging ring, and only the logits
+        processors' per-request arguments (when a processor needs them, into ``zos_args``) and
+        the rows of tokens still in flight are copied. Its graph reads and writes no tensor of
+        its pair: the previous step's tokens and its own sampled ones are in ``zos_out`` (the
+        previous pair's outputs copied there first when the step before was transformers'; the
+        step's rows copied to its pair's outputs before transformers' D2H copy), so one graph
+        per zos key serves both pairs (``shares_decode_graphs``), captured once. Same arguments
+        as the base, plus ``options`` and ``serves`` (as :class:`ZosIOs`).
 
         Raises:
             ValueError: the cache has more than one layer group (sliding-window layers).
             RuntimeError: no CUDA (transformers' asynchronous batching needs it).
         """
+
+        shares_decode_graphs = True  # one graph per zos key serves both IO pairs
 
         def __init__(self, *, options, serves: bool = True, **kw) -> None:
             super().__init__(**kw)
@@ -204,6 +214,12 @@ def _build():
                                  self.compute_stream, async_carry=True)
             self.zos_md = [None, None]  # per IO pair: its step's metadata if a zos step
             self.zos_sampled = [0, 0]  # per IO pair: rows transformers would sample
+            dev = self.io_pairs[0].device_io
+            # What a zos step's graph reads and writes instead of its pair's tensors, so that
+            # one graph serves both pairs: the previous step's sampled tokens, then this one's
+            # (read before written, in stream order), and the processors' arguments.
+            self.zos_out = torch.zeros_like(dev.output_ids)
+            self.zos_args = torch.zeros_like(dev._bulk_input_tensor[dev.static_inputs:])
 
         def reset(self) -> None:
             super().reset()
@@ -218,7 +234,6 @@ def _build():
             token is still in flight take it on the device, as transformers' carry-over)."""
             t0 = time.perf_counter()
             cur = self.current_pair
-            pair = self.io_pairs[cur]
             prev = self.io_pairs[1 - cur].host_io.req_id_to_new_token_position
             built = _build_step(self.zos, requests_in_batch, prev)
             if built is None:
@@ -229,26 +244,47 @@ def _build():
                 return _timed(self.zos_options, "transformers", t0)
             prev_out = self.io_pairs[1 - cur].device_io.output_ids
             self.zos_md[cur] = self.zos.stage(built, prev_output_ids=prev_out)
-            host, dev = pair.host_io, pair.device_io
+            host = self.io_pairs[cur].host_io
             self.zos_sampled[cur] = num_sampled(requests_in_batch, num_q_tokens,
                                                 host.max_requests_per_batch, use_padding)
-            _bookkeeping(host, requests_in_batch, logits_processors)
-            if logits_processors.tensors_required:
-                with torch.cuda.stream(self.compute_stream):
-                    k = host.static_inputs
-                    dev._bulk_input_tensor[k:].copy_(host._bulk_input_tensor[k:],
-                                                     non_blocking=True)
+            _bookkeeping(host, requests_in_batch, logits_processors, self.zos_sampled[cur])
+            with torch.cuda.stream(self.compute_stream):
+                if logits_processors.tensors_required:
+                    self.zos_args.copy_(host._bulk_input_tensor[host.static_inputs:],
+                                        non_blocking=True)
+                if self.zos_md[1 - cur] is None:  # the step before was transformers'
+                    self.zos_out.copy_(prev_out)
             _timed(self.zos_options, "zos", t0)
 
         def get_model_kwargs(self, use_padding: bool = False):
-            md = self.zos_md[self.current_pair]
-            dev = self.io_pairs[self.current_pair].device_io
+            cur = self.current_pair
+            md = self.zos_md[cur]
             if md is None:
+                dev = self.io_pairs[cur].device_io
                 kwargs = super().get_model_kwargs(use_padding=use_padding)
                 return (_whole_read_index(dev, kwargs) if varlen_graphed(self.zos, dev)
                         else kwargs)
-            args = dev._bulk_input_tensor[dev.static_inputs:]
-            return self.zos.model_kwargs(md, self.cache, args, self.zos_sampled[self.current_pair])
+            return self.zos.model_kwargs(md, self.cache, self.zos_args, self.zos_sampled[cur])
+
+        def get_cb_kwargs(self):
+            """transformers' ``(carry_over_ids, prev_output_ids, output_ids)`` of the step; a
+            zos step reads the previous step's tokens from ``zos_out`` and samples into it."""
+            carry, prev, out = super().get_cb_kwargs()
+            if self.zos_md[self.current_pair] is None:
+                return carry, prev, out
+            return carry, self.zos_out, self.zos_out
+
+        def retrieve_device_outputs(self) -> None:
+            """transformers' method (the copy of the step's outputs to the host, then the
+            switch of pair), after a zos step's sampled rows are copied from ``zos_out`` into
+            its pair's outputs on the compute stream: what transformers' update and the next
+            step's carry-over read there."""
+            cur = self.current_pair
+            if self.zos_md[cur] is not None:
+                n = self.zos_sampled[cur]
+                with torch.cuda.stream(self.compute_stream):
+                    self.io_pairs[cur].device_io.output_ids[:, :n].copy_(self.zos_out[:, :n])
+            super().retrieve_device_outputs()
 
         def carry_over_tokens(self, input_ids, carry_over_ids, prev_output_ids) -> None:
             md = self.zos_md[self.current_pair]
@@ -270,17 +306,23 @@ def _build():
             dev = self.io_pairs[self.current_pair].device_io
             return varlen_graph_key(dev.num_q_tokens) if varlen_graphed(self.zos, dev) else None
 
+        def _zos_graphs(self):
+            """The graph store of the current step's zos key: the first pair's for a decode
+            step (one graph serves both pairs), the current pair's for a varlen step."""
+            pair = 0 if self.zos_md[self.current_pair] is not None else self.current_pair
+            return self.io_pairs[pair].device_io.graphs
+
         def get_graph(self):
             key = self._zos_graph_key()
             if key is None:
                 return super().get_graph()
-            return self.io_pairs[self.current_pair].device_io.graphs.get_graph(key)
+            return self._zos_graphs().get_graph(key)
 
         def set_graph(self, graph) -> None:
             key = self._zos_graph_key()
             if key is None:
                 return super().set_graph(graph)
-            self.io_pairs[self.current_pair].device_io.graphs.set_graph(key, graph)
+            self._zos_graphs().set_graph(key, graph)
 
     return ZosIOs, ZosAsyncIOs
 

@@ -1,36 +1,50 @@
 """What zos changes in transformers 5.17's ``ContinuousBatchingManager`` for a zos-enabled model
-(a model with ``_zos_options``; managers of other models are untouched).
+(a model with ``_zos_options``; managers of other models keep transformers' behaviour, but for
+the zeroed KV cache below).
 
-:func:`install_manager_hook` wraps five of its methods once per process:
+:func:`install_manager_hook` wraps seven of its methods once per process:
 
 * ``__init__``: what the user left to transformers (None) becomes zos's fastest mode
   (:func:`fastest_mode`);
-* ``_create_batch_processor``: the batch processor gets zos's IOs
-  (:mod:`zos.integrations.hf_ios`) and its scheduler finishes cancelled requests
-  (:func:`finish_cancelled`);
+* ``_create_batch_processor``: a new KV cache is zeroed, for every manager
+  (:func:`clear_kv_cache`: what an earlier manager left in that memory reached the warm-ups'
+  samplers as NaN); for a zos-enabled model the batch processor gets zos's IOs
+  (:mod:`zos.integrations.hf_ios`), its scheduler finishes cancelled requests and schedules
+  again after them (:func:`finish_cancelled`), and a request its cache cannot hold is refused,
+  or failed alone, never the manager (:mod:`zos.integrations.hf_capacity`);
 * ``switch_to_cb_friendly_attn``: the model runs on ``paged|zos`` (zos's decode for zos's
   steps, zos's varlen attention for prefill and mixed ones: transformers builds no mask for
   that name), never flash; with torch.compile configs on ``paged|sdpa``, transformers' own;
-* ``warmup``: transformers' warm-up, then one batch per graph key of zos's, per IO pair (a
-  decode batch per key of :func:`zos_warmup_counts`, a prefill step per padded query size of
-  :func:`varlen_warmup_counts`): every graph of a zos-served run is captured there, none during
-  a user's requests (transformers' own decode warm-up runs only for its block-table path,
-  which sdpa has not, and its varlen warm-up covers one size);
+* ``warmup``: transformers' warm-up, then zos's (:func:`_warm_up_zos`): one batch per graph
+  key of zos's (a decode batch per key of :func:`zos_warmup_counts`, once for both IO pairs; a
+  prefill step per padded query size of :func:`varlen_warmup_counts`, per IO pair): every graph
+  of a zos-served run is captured there, none during a user's requests (transformers' own
+  decode warm-up runs only for its block-table path, which sdpa has not, and its varlen
+  warm-up covers one size);
 * ``start``: a manager with graphs whose batch processor zos serves and that was not
-  warmed up (or whose processor is new) warms up first (transformers' server starts its manager
-  without a warm-up), leaving the random number generators as they were; a failed warm-up is
-  recorded as the manager's fatal error (the server then answers 503) and raised.
+  warmed up (or whose processor is new) runs zos's warm-up first (transformers' server starts
+  its manager without a warm-up; zos serve at start-up), leaving the random number generators
+  as they were; a failed warm-up is recorded as the manager's fatal error (the server then
+  answers 503) and raised;
+* ``add_request``: per-request sampling options that would put NaN, inf or an index out of
+  range into the sampler are refused (:func:`check_request_options`).
 """
 from __future__ import annotations
 
 import copy
+import logging
+import math
+import time
 import warnings
+from dataclasses import dataclass
 
 import torch
 
+from zos.integrations.hf_capacity import fail_unschedulable, refuse_oversized
 from zos.integrations.hf_ios import zos_ios_classes
 from zos.integrations.hf_rows import num_sampled
 
+log = logging.getLogger("zos")
 CB_ATTN_IMPLEMENTATION = "paged|sdpa"  # transformers' own: dense attention under its 4-D mask
 ATTN_IMPLEMENTATION = "paged|zos"  # what the manager runs a zos-enabled model on
 
@@ -97,8 +111,58 @@ def fastest_mode(cb_config, model, generation_config=None):
     return cb_config
 
 
+@torch.no_grad()
+def clear_kv_cache(cache) -> None:
+    """Zero every layer's K and V tensor of a new ``PagedAttentionCache``, in place, and wait
+    for it.
+
+    transformers allocates them with ``torch.empty`` and zeroes only its read-trash block, but
+    its warm-up reads slots no request wrote (its varlen warm-up reads a past as long as the
+    cache; zos's decode warm-up a block's worth), and samples. In a fresh process that memory
+    is the driver's zeroed pages; in one that ran managers before, the caching allocator hands
+    back what they left (an int32 -1 reads as a float NaN), the warm-up's logits become NaN and
+    ``torch.multinomial`` aborts the process with a device-side assert. Zeroed, every manager
+    starts where a fresh process does, and a request still reads only what it wrote.
+    """
+    tensors = (*cache.key_cache, *cache.value_cache)
+    for t in tensors:
+        t.zero_()
+    if tensors and tensors[0].is_cuda:  # the compute streams do not wait for this stream
+        torch.cuda.current_stream(tensors[0].device).synchronize()
+
+
+def check_request_options(options: dict, vocab_size: int) -> None:
+    """Refuse a request's sampling options that would put NaN or inf into the sampler, or an
+    index out of range into a kernel, before the request is queued. transformers' per-request
+    processors (``cb_logits_processors.py``) check types only: a temperature of 0 divides the
+    logits by zero, and a top-k above the vocabulary gathers past it (a device-side assert
+    that ends the process), and the padded rows of a later step may read such a value. The
+    ranges are those transformers' own warpers enforce in ``generate()``
+    (``TemperatureLogitsWarper``: > 0; ``TopKLogitsWarper``: a positive int;
+    ``TopPLogitsWarper``: in [0, 1]), with top-k at most ``vocab_size``. Other keys are left to
+    transformers' checks (an unknown one fails the request in its manager).
+
+    Raises:
+        ValueError: ``temperature`` not a finite number > 0, ``top_k`` not an int in
+            [1, vocab_size], or ``top_p`` not a number in [0, 1] (the field and value named).
+    """
+    if "temperature" in options:
+        t = options["temperature"]
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < math.inf:
+            raise ValueError(f"temperature must be a finite number > 0, got {t!r}")
+    if "top_k" in options:
+        k = options["top_k"]
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= vocab_size:
+            raise ValueError(f"top_k must be an int in [1, vocab_size={vocab_size}], got {k!r}")
+    if "top_p" in options:
+        p = options["top_p"]
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p <= 1:
+            raise ValueError(f"top_p must be a number in [0, 1], got {p!r}")
+
+
 def finish_cancelled(scheduler) -> None:
-    """Make ``scheduler.clear_cancelled_requests`` mark each request it removes FINISHED.
+    """Make ``scheduler.clear_cancelled_requests`` mark each request it removes FINISHED, and
+    let new requests be scheduled again once one was removed.
 
     transformers removes a cancelled request from its queues and frees its blocks at the start
     of the next ``prepare_next_batch``, but leaves its status as it was (DECODING). Under
@@ -110,7 +174,13 @@ def finish_cancelled(scheduler) -> None:
     later request fails). A FINISHED request is what ``update_batch`` already skips under
     asynchronous batching (it consumes its token); transformers' own offloading marks the
     states it drops that way. Synchronous batching never updates a batch after the next one is
-    prepared, so nothing changes there."""
+    prepared, so nothing changes there.
+
+    transformers' offloading sets ``block_new_requests`` (waiting requests are not scheduled)
+    and only a request finishing in ``update_batch`` clears it. When the requests left active
+    are cancelled instead, nothing clears it: the waiting requests are never scheduled and the
+    manager idles forever (seen with 12 blocks of 4 tokens and cancels in flight). A cancelled
+    request's blocks are freed as a finished one's are, so its removal clears the flag too."""
     from transformers.generation.continuous_batching.requests import RequestStatus
 
     clear = scheduler.clear_cancelled_requests
@@ -119,6 +189,8 @@ def finish_cancelled(scheduler) -> None:
         states = clear()
         for state in states:
             state._status = RequestStatus.FINISHED  # as the offloading's soft reset: no setter
+        if states:
+            scheduler.block_new_requests = False
         return states
 
     scheduler.clear_cancelled_requests = clear_cancelled_requests
@@ -141,6 +213,29 @@ def zos_warmup_counts(backend, max_requests: int, padded_q) -> list[int]:
 
 
 MAX_VARLEN_WARMUP = 256  # padded query sizes captured in the warm-up, per IO pair
+
+
+@dataclass(frozen=True)
+class WarmupKind:
+    """What zos's warm-up captured of one kind of graph (decode or prefill): ``graphs``
+    captured (one warm-up step each; the step replays a graph that exists), ``seconds`` of wall
+    time, ``reserved_bytes``: growth of the device memory the caching allocator holds over
+    them (the graphs' pool, on CUDA; 0 on a CPU)."""
+
+    graphs: int
+    seconds: float
+    reserved_bytes: int
+
+
+def _now(device) -> float:
+    """Wall time once the device's queued work is done (seconds)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def _reserved(device) -> int:
+    return torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
 
 
 def varlen_warmup_counts(padded_q, max_batch_tokens: int) -> list[int]:
@@ -185,11 +280,14 @@ def _warmup_step(bp, model, n: int, query_length: int, past: int, fast: bool) ->
             cache.free_blocks(fs.state.request_id)
 
 
-def _warm_up_zos(bp, model) -> None:
-    """Capture every graph of zos's key space on each IO pair of ``bp`` (a
-    ``ContinuousBatchProcessor`` with zos's IOs): with decode graphs on, every decode graph
-    (:func:`zos_warmup_counts`); with varlen graphs on, one prefill step per padded query size
-    (:func:`varlen_warmup_counts`). The random number generators' state is restored after them:
+def _warm_up_zos(bp, model) -> dict[str, WarmupKind]:
+    """Capture every graph of zos's key space for ``bp`` (a ``ContinuousBatchProcessor`` with
+    zos's IOs): with decode graphs on, every decode graph (:func:`zos_warmup_counts`; once, as
+    one graph serves both IO pairs of asynchronous batching); with varlen graphs on, one
+    prefill step per padded query size (:func:`varlen_warmup_counts`) on each IO pair; the
+    smallest first. Returns ``{"decode": WarmupKind, "prefill": WarmupKind}`` (empty when there
+    is nothing to capture), also logged (logger ``"zos"``, INFO). The random number
+    generators' state is restored after them:
     a warm-up samples (the eager run before each capture), and a seeded run must draw what
     transformers' own would after its warm-up. Keys whose warm-up needs more KV blocks than the
     cache has free, and varlen keys past the first :data:`MAX_VARLEN_WARMUP` (a padding
@@ -203,7 +301,7 @@ def _warm_up_zos(bp, model) -> None:
     """
     ios, runner, cache = bp.inputs_and_outputs, bp.model_runner, bp.cache
     if ios.zos is None or not (runner.use_cuda_graph_decode or runner.use_cuda_graph_varlen):
-        return
+        return {}
     fast = cache.max_blocks_per_request > 0  # what the scheduler says of a short decode batch
     past = cache.block_size - 1  # a decode warm-up's query token is its block's last
     free = cache.get_num_free_blocks()
@@ -227,15 +325,36 @@ def _warm_up_zos(bp, model) -> None:
                           f"larger q_padding_interval_size gives fewer sizes)", RuntimeWarning,
                           stacklevel=3)
         tokens = fits[:MAX_VARLEN_WARMUP]
-    pairs = getattr(ios, "io_pairs", None)
+    pairs = len(getattr(ios, "io_pairs", ())) or 1
+    # per kind: its warm-up steps on one IO pair (smallest first: on the H200 largest first
+    # took 1.1-1.2x as long), and the pairs it runs on (each pair's steps swap in their own
+    # tensors; zos's decode graphs serve both pairs of ZosAsyncIOs)
+    shared = getattr(ios, "shares_decode_graphs", False)
+    kinds = {"decode": ([(n, 1, past, fast) for n in counts], 1 if shared else pairs),
+             "prefill": ([(1, t, 0, False) for t in tokens], pairs)}
+    log.info("zos: warm-up: capturing %d decode and %d prefill graphs",
+             *(len(todo) * on for todo, on in kinds.values()))
+    report = {}
     with torch.random.fork_rng(devices=[bp.model_device]):
-        for _ in range(len(pairs) if pairs else 1):
-            for n in counts:
-                _warmup_step(bp, model, n, 1, past, fast)
-            for t in tokens:
-                _warmup_step(bp, model, 1, t, 0, False)
-            if pairs:
-                ios.swap_io_pairs()
+        for kind, (todo, on_pairs) in kinds.items():
+            t0, mem0 = _now(bp.model_device), _reserved(bp.model_device)
+            for _ in range(on_pairs):
+                for step in todo:
+                    _warmup_step(bp, model, *step)
+                if on_pairs > 1:
+                    ios.swap_io_pairs()
+            report[kind] = WarmupKind(len(todo) * on_pairs, _now(bp.model_device) - t0,
+                                      _reserved(bp.model_device) - mem0)
+    log.info("zos: warm-up: %s", describe_warmup(report))
+    return report
+
+
+def describe_warmup(report: dict[str, WarmupKind]) -> str:
+    """One line of a warm-up's report (:func:`_warm_up_zos`): graphs, seconds and memory per
+    kind."""
+    return ", ".join(f"{k.graphs} {kind} graphs in {k.seconds:.1f} s "
+                     f"(+{k.reserved_bytes / 2**30:.2f} GiB reserved)"
+                     for kind, k in report.items()) or "nothing to capture"
 
 
 def install_manager_hook() -> None:
@@ -246,7 +365,7 @@ def install_manager_hook() -> None:
         return
     original_init, original_create = manager.__init__, manager._create_batch_processor
     original_switch, original_warmup = manager.switch_to_cb_friendly_attn, manager.warmup
-    original_start = manager.start
+    original_start, original_add = manager.start, manager.add_request
 
     def zos_on(model) -> bool:
         return getattr(model, "_zos_options", None) is not None
@@ -263,6 +382,7 @@ def install_manager_hook() -> None:
         options = getattr(self.model, "_zos_options", None)
         cfg = self.continuous_batching_config
         compiled = _compiled(cfg)
+        previous = getattr(self, "batch_processor", None)
         if (options is not None and compiled
                 and self.model.config._attn_implementation == ATTN_IMPLEMENTATION):
             # every step of such a run is transformers': its own attention, with its mask;
@@ -271,6 +391,8 @@ def install_manager_hook() -> None:
             if self._original_attn_impl is None:
                 self._original_attn_impl = ATTN_IMPLEMENTATION
         bp = original_create(self)
+        if bp is not previous:  # a new cache (transformers resets and returns its own)
+            clear_kv_cache(bp.cache)
         classes = zos_ios_classes()
         if options is None or isinstance(bp.inputs_and_outputs, classes):
             return bp
@@ -293,6 +415,8 @@ def install_manager_hook() -> None:
         # offloads and restores must stay ordered with the steps that read their blocks
         bp.offloading_manager._compute_stream = ios.compute_stream
         finish_cancelled(bp.scheduler)
+        refuse_oversized(bp)
+        fail_unschedulable(bp)
         return bp
 
     def switch_to_cb_friendly_attn(self, model):
@@ -312,9 +436,12 @@ def install_manager_hook() -> None:
         return None
 
     def warmup(self):
+        """transformers' warm-up, then zos's (:func:`_warm_up_zos`, its report in
+        ``self.zos_warmup``). transformers' samples and is not undone: a seeded run draws
+        what transformers' own run draws after it."""
         original_warmup(self)
         if zos_on(self.model):
-            _warm_up_zos(self.batch_processor, self.model)
+            self.zos_warmup = _warm_up_zos(self.batch_processor, self.model)
 
     def start(self):
         if (zos_on(self.model) and not self.is_running()
@@ -324,17 +451,28 @@ def install_manager_hook() -> None:
                 self.batch_processor = self._create_batch_processor()
             if self.batch_processor.inputs_and_outputs.zos is not None and (
                     fresh or not self.warmed_up):
-                try:
+                try:  # zos's alone: every graph such a run replays is one of zos's keys
                     with torch.random.fork_rng(devices=[self.model.device]):  # tf runs none
-                        self.warmup()
+                        self.zos_warmup = _warm_up_zos(self.batch_processor, self.model)
+                    self.warmed_up = True
                 except Exception as e:  # the server must see a dead manager, not a silent one
                     self.background_thread_status.record_fatal_error(e)
                     raise
         return original_start(self)
 
+    def add_request(self, input_ids, request_id=None, max_new_tokens=None, streaming=False,
+                    record_timestamps=False, eos_token_id=None, **logit_processor_kwargs):
+        """transformers' method; for a zos-enabled model the per-request sampling options are
+        checked first (:func:`check_request_options`): a ValueError, and nothing queued."""
+        if zos_on(self.model):
+            check_request_options(logit_processor_kwargs,
+                                  self.model.config.get_text_config().vocab_size)
+        return original_add(self, input_ids, request_id, max_new_tokens, streaming,
+                            record_timestamps, eos_token_id, **logit_processor_kwargs)
+
     hooks = dict(__init__=__init__, _create_batch_processor=_create_batch_processor,
                  switch_to_cb_friendly_attn=switch_to_cb_friendly_attn, warmup=warmup,
-                 start=start)
+                 start=start, add_request=add_request)
     for name, fn in hooks.items():
         fn._zos_hook = True
         fn.__doc__ = fn.__doc__ or getattr(manager, name).__doc__
