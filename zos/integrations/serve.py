@@ -5,8 +5,7 @@ transformers' server loads the model named on its command line at start-up but c
 ``ContinuousBatchingManager`` on the first request (``CBGenerateManager.init_cb`` in
 ``transformers/cli/serving/utils.py``), from that request's generation config, and the manager's
 warm-up (every CUDA graph) then held that request, and every request behind it on the server's
-event loop. :func:`install`
-wraps ``init_cb`` so that the model is zos-enabled
+event loop. :func:`install` wraps ``init_cb`` so that the model is zos-enabled
 (:func:`zos.integrations.transformers.enable_zos`) right before the manager is created, and
 ``build_server`` so that the manager is created, warmed up and started before the server
 listens (:func:`start_manager`): ``/health`` answers once every graph is captured, with a
