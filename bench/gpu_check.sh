@@ -3,7 +3,9 @@
 # machine, from the repository root:   bash bench/gpu_check.sh
 # A device call runs at most 10 minutes: the suite (one pytest process, about 7 minutes on the
 # H200) takes one (SANITIZE=0 BENCH=0), the sanitizers another (SUITE=0 BENCH=0), the
-# benchmarks a third (SUITE=0 SANITIZE=0).
+# benchmarks a third (SUITE=0 SANITIZE=0). TF525_WHEELS=DIR adds the transformers tests under
+# transformers 5.25 (its wheels and those it needs beside the machine's packages in DIR;
+# TF525_TESTS narrows them).
 # Writes under $OUT (default ./gpu_check_out): summary.txt (date and the suite's last line),
 # logs.tgz (build, tests, memcheck, racecheck, prep, breakdown, e2e, guard logs) and the JSONs
 # of bench_prep, host_breakdown, bench_e2e and step_guard (FAIL where the own engine's step is
@@ -31,6 +33,24 @@ if [ "${SUITE:-1}" = 1 ]; then
   { date -u +%F; tail -1 "$OUT/tests.log"; } > "$OUT/summary.txt"
 fi
 
+if [ -n "${TF525_WHEELS:-}" ]; then
+  # transformers 5.25 carried as wheels (the machine has 5.17 and is offline): installed into a
+  # directory ahead of it on the path; its hub kernels off (USE_HUB_KERNELS=NO: nothing to
+  # download them from)
+  stamp "transformers 5.25 (wheels in $TF525_WHEELS): ${TF525_TESTS:-the transformers tests}"
+  python3 -m pip install --no-deps --target /tmp/zos_tf525 "$TF525_WHEELS"/*.whl \
+    > "$OUT/tf525_install.log" 2>&1 || tail -5 "$OUT/tf525_install.log"
+  # shellcheck disable=SC2086  (the test selection is a list of pytest arguments)
+  PYTHONPATH=/tmp/zos_tf525 HF_HUB_OFFLINE=1 USE_HUB_KERNELS=NO timeout "${TF525_TIMEOUT:-420}" \
+    python3 -m pytest -v -p no:cacheprovider ${TF525_TESTS:-tests/test_hf.py tests/test_hf_capacity.py \
+    tests/test_hf_faults.py tests/test_hf_manager.py tests/test_hf_rows.py tests/test_hf_sampling.py} \
+    > "$OUT/tests_tf525.log" 2>&1
+  echo "tf525 rc=$?: $(grep -c ' PASSED' "$OUT/tests_tf525.log") passed, \
+$(grep -c ' SKIPPED' "$OUT/tests_tf525.log") skipped, $(grep -c ' FAILED' "$OUT/tests_tf525.log") failed"
+  grep -E "^FAILED|^ERROR| FAILED|transformers 5" "$OUT/tests_tf525.log" | head -12
+  grep -E "passed|failed" "$OUT/tests_tf525.log" | tail -1 >> "$OUT/summary.txt"
+fi
+
 if [ "${SANITIZE:-1}" = 1 ]; then
   SAN=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
   for tool in memcheck racecheck; do
@@ -40,9 +60,13 @@ if [ "${SANITIZE:-1}" = 1 ]; then
       > "$OUT/$tool.log" 2>&1
     echo "$tool rc=$?"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY|passed|failed" "$OUT/$tool.log" | tail -3
   done
+  # about 10 s a test under memcheck: the sampling tests in best mode (graphs and async: where
+  # a NaN reached torch.multinomial) and the manager tests of what one manager leaves the next
   stamp "compute-sanitizer memcheck on the sampling and manager tests (best mode)"
+  # shellcheck disable=SC2086
   timeout "${SAN_TIMEOUT:-300}" "$SAN" --tool memcheck --error-exitcode 9 python3 -m pytest -q \
-    -p no:cacheprovider tests/test_hf_sampling.py tests/test_hf_manager.py \
+    -p no:cacheprovider ${SAN_HF_TESTS:-tests/test_hf_sampling.py tests/test_hf_manager.py -k \
+    "graphs_async and (seeded or logprobs or per_request) or earlier_manager or padded_rows"} \
     > "$OUT/memcheck_hf.log" 2>&1
   echo "memcheck_hf rc=$?"; grep -E "ERROR SUMMARY|passed|failed" "$OUT/memcheck_hf.log" | tail -3
 fi

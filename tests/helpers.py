@@ -263,12 +263,13 @@ def expected(rows, padded_reqs, *, block_size, max_blocks, pad_token_id=0, seq_l
                 counts=np.array([n, n], np.int32))
 
 
-def require_transformers(version: str = "5.17.0"):
-    """transformers, imported; skips the calling test module unless it is ``version`` (the one
-    zos.integrations.transformers targets) or is not installed (the ``hf`` extra)."""
+def require_transformers(versions: tuple = ("5.17.0", "5.25.0")):
+    """transformers, imported; skips the calling test module unless it is one of ``versions``
+    (those zos.integrations.transformers has adapters for) or is not installed (the ``hf``
+    extra)."""
     transformers = pytest.importorskip("transformers")
-    if transformers.__version__ != version:
-        pytest.skip(f"zos.integrations.transformers targets transformers {version}, found "
+    if transformers.__version__ not in versions:
+        pytest.skip(f"zos.integrations.transformers targets transformers {versions}, found "
                     f"{transformers.__version__}", allow_module_level=True)
     return transformers
 

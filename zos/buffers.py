@@ -30,7 +30,9 @@ class PaddingProfile:
     KV write skips negative slots) and keeps block 0 out of its pool as the null block;
     SGLang writes padding to slot 0 (``req_to_token`` entry 0 is never handed out);
     transformers 5.17 hands out every block from 0 and keeps two extra blocks past its
-    pool: a zeroed read trash (the null block) and a write trash (the pad slot).
+    pool: a zeroed read trash (the null block) and a write trash (the pad slot);
+    transformers 5.25 keeps its trash at the start (page 0 the zeroed read trash, a write
+    trash page after it) and hands out pages from ``pool_start`` on.
 
     Attributes:
         name: a label for messages.
@@ -42,10 +44,14 @@ class PaddingProfile:
         seq_len_fill: seq_lens value of dummy rows, >= 1 (0 has produced NaN).
         pad_token_id: input_ids value of dummy rows, >= 0 (checked against the vocabulary by
             the backend).
+        pool_start: the lowest block id a request can hold (0: the pool starts at 0, or at 1
+            past a null block 0); blocks below it other than the null block are trash a pad
+            slot may lie in.
 
     Raises:
         TypeError: a field is not an int.
-        ValueError: pad_slot_id < -1, null_block < 0, seq_len_fill < 1, pad_token_id < 0.
+        ValueError: pad_slot_id < -1, null_block < 0, seq_len_fill < 1, pad_token_id < 0,
+            pool_start < 0, or a null block in [1, pool_start).
     """
 
     name: str
@@ -53,13 +59,14 @@ class PaddingProfile:
     null_block: int = NULL_BLOCK
     seq_len_fill: int = 1
     pad_token_id: int = 0
+    pool_start: int = 0
 
     VLLM: ClassVar[PaddingProfile]
     SGLANG: ClassVar[PaddingProfile]
 
     def __post_init__(self) -> None:
         # The one check of the pad values: DecodeBuffers' overrides come through here too.
-        for f in ("pad_slot_id", "null_block", "seq_len_fill", "pad_token_id"):
+        for f in ("pad_slot_id", "null_block", "seq_len_fill", "pad_token_id", "pool_start"):
             v = check_int(f"PaddingProfile {self.name!r}: {f}", getattr(self, f), lo=None)
             object.__setattr__(self, f, v)
         if self.pad_slot_id < -1:
@@ -74,6 +81,10 @@ class PaddingProfile:
         if self.pad_token_id < 0:
             raise ValueError(f"PaddingProfile {self.name!r}: pad_token_id must be a valid token "
                              f"id, got {self.pad_token_id}")
+        if self.pool_start < 0 or 0 < self.null_block < self.pool_start:
+            raise ValueError(f"PaddingProfile {self.name!r}: pool_start must be >= 0 with the "
+                             f"null block 0 or >= pool_start, got pool_start "
+                             f"{self.pool_start}, null_block {self.null_block}")
 
     @staticmethod
     def transformers(num_blocks: int, block_size: int) -> PaddingProfile:
@@ -90,15 +101,15 @@ class PaddingProfile:
     def check_pool(self, num_kv_blocks: int, block_size: int) -> None:
         """ValueError unless this profile fits a KV pool of ``num_kv_blocks`` blocks of
         ``block_size`` tokens: the null block is 0 or outside the pool, and a pad slot >= 0 is
-        in the null block (SGLang's slot 0) or in a block past the pool (transformers' write
-        trash), never in a block a request can hold."""
+        in the null block (SGLang's slot 0) or in a block outside ``[pool_start,
+        num_kv_blocks)`` (transformers' write trash), never in a block a request can hold."""
         if self.null_block != 0 and self.null_block < num_kv_blocks:
             raise ValueError(f"PaddingProfile {self.name!r}: null_block {self.null_block} is a "
                              f"block requests hold (ids in [0, {num_kv_blocks})); it must be 0 "
                              f"or >= num_kv_blocks")
         if self.pad_slot_id >= 0:
             blk = self.pad_slot_id // block_size
-            if blk != self.null_block and blk < num_kv_blocks:
+            if blk != self.null_block and self.pool_start <= blk < num_kv_blocks:
                 raise ValueError(f"PaddingProfile {self.name!r}: pad_slot_id {self.pad_slot_id} "
                                  f"lies in block {blk}, which requests can hold (pool of "
                                  f"{num_kv_blocks} blocks of {block_size}); dummy rows would "

@@ -1,10 +1,9 @@
 """Requests a transformers KV cache cannot hold: refused when they arrive, and failed alone,
 never the manager.
 
-transformers' scheduler (``Scheduler._allocate_blocks_if_needed``) gives a prefill chunk of n
-tokens ``(n - free + 1) // block_size + 1`` blocks whenever its request's free slots are fewer
-than n, and a decode step one block when its request's blocks are full; under asynchronous
-batching a request is scheduled once more while its last token is in flight. When the only
+transformers' scheduler gives a request the blocks of its next step (5.17 rounds a prefill
+chunk up by a block, 5.25 allocates exactly); under asynchronous batching a request is
+scheduled once more while its last token is in flight. When the only
 request left cannot get its next blocks, or no request can get its first ones, its
 ``prepare_next_batch`` raises ``RuntimeError(NO_ROOM)`` and the manager's thread dies, failing
 every request (on a small cache, a 47-token prompt in 12 blocks of 4 tokens is enough). zos:
@@ -18,6 +17,8 @@ every request (on a small cache, a 47-token prompt in 12 blocks of 4 tokens is e
 """
 from __future__ import annotations
 
+from zos.integrations.hf_internals import internals
+
 # transformers' error when nothing can be scheduled or offloaded (continuous_api.py,
 # ContinuousBatchProcessor.prepare_next_batch; the same text in 5.17 and 5.25)
 NO_ROOM = "No requests can be scheduled and no requests can be offloaded."
@@ -25,23 +26,13 @@ NO_ROOM = "No requests can be scheduled and no requests can be offloaded."
 
 def blocks_for(prompt_len: int, max_new_tokens: int, block_size: int, max_batch_tokens: int,
                in_flight: int) -> int:
-    """KV blocks transformers' scheduler allocates to a request alone in its batches: the
-    prompt in chunks of ``max_batch_tokens`` tokens, then decode steps until the KV holds
+    """KV blocks of ``block_size`` tokens transformers' scheduler allocates to a request alone
+    in its batches, its prompt in chunks of ``max_batch_tokens`` tokens, until its KV holds
     ``prompt_len + max_new_tokens - 1 + in_flight`` tokens (``in_flight``: 1 under
-    asynchronous batching, whose last step runs while the last token is in flight, else 0).
-    Allocation as ``Scheduler._allocate_blocks_if_needed``: a step of n tokens that finds
-    fewer than n free slots in its request's blocks (or no block) takes
-    ``(n - free + 1) // block_size + 1`` more, which for a decode step (n = 1, blocks full) is
-    one block (transformers' blocks hold at least 4 tokens)."""
-    blocks = filled = 0
-    while filled < prompt_len:
-        n = min(prompt_len - filled, max_batch_tokens)
-        free = blocks * block_size - filled
-        if free < n or blocks == 0:
-            blocks += (n - free + 1) // block_size + 1
-        filled += n
-    kv = prompt_len + max_new_tokens - 1 + in_flight
-    return max(blocks, -(-kv // block_size))
+    asynchronous batching, whose last step runs while the last token is in flight, else 0);
+    the installed release's rule (:meth:`~zos.integrations.hf_internals.TF517.blocks_for`)."""
+    return internals().blocks_for(prompt_len, max_new_tokens, block_size, max_batch_tokens,
+                                  in_flight)
 
 
 def refuse_oversized(bp) -> None:
@@ -51,7 +42,8 @@ def refuse_oversized(bp) -> None:
     ``scheduler.add_waiting_request`` inside transformers' try, which fails the request and
     goes on. Requests re-queued by the offloader or a fork were admitted before and are not
     checked."""
-    scheduler, cache = bp.scheduler, bp.cache
+    scheduler, cache, tfi = bp.scheduler, bp.cache, internals()
+    page, capacity = tfi.page_size(cache), tfi.num_blocks(cache)
     add, update = scheduler.add_waiting_request, bp._update_tp_group_state
     in_flight = 1 if bp.use_async_batching else 0
     admitting = [False]
@@ -59,14 +51,13 @@ def refuse_oversized(bp) -> None:
     def add_waiting_request(state):
         if admitting[0]:
             new = 1 if state.max_new_tokens is None else state.max_new_tokens
-            need = blocks_for(len(state.initial_tokens), new, cache.block_size,
-                              cache.max_batch_tokens, in_flight)
-            if need > cache.num_blocks:
+            need = blocks_for(len(state.initial_tokens), new, page, cache.max_batch_tokens,
+                              in_flight)
+            if need > capacity:
                 raise ValueError(
                     f"request {state.request_id!r}: its {len(state.initial_tokens)} prompt "
-                    f"tokens and up to {new} new tokens need {need} KV blocks of "
-                    f"{cache.block_size} tokens as transformers allocates them; the cache has "
-                    f"{cache.num_blocks}")
+                    f"tokens and up to {new} new tokens need {need} KV blocks of {page} tokens "
+                    f"as transformers allocates them; the cache has {capacity}")
         return add(state)
 
     def _update_tp_group_state():
@@ -91,6 +82,7 @@ def fail_unschedulable(bp) -> None:
     from transformers.generation.continuous_batching.requests import RequestStatus
 
     prepare, scheduler, cache = bp.prepare_next_batch, bp.scheduler, bp.cache
+    tfi = internals()
 
     def culprit():
         active = scheduler.active_requests
@@ -110,11 +102,11 @@ def fail_unschedulable(bp) -> None:
                 if state is None:
                     raise
                 rid = state.request_id
-                held = cache.blocks_in_use(rid)
+                held = tfi.blocks_in_use(cache, rid)
                 bp._handle_request_error(ValueError(
                     f"request {rid!r} cannot get the KV blocks of its next step: it holds "
-                    f"{held} of the cache's {cache.num_blocks} blocks of {cache.block_size} "
-                    f"tokens and no other request can make room"), state)
+                    f"{held} of the cache's {tfi.num_blocks(cache)} blocks of "
+                    f"{tfi.page_size(cache)} tokens and no other request can make room"), state)
                 scheduler.finish_request(rid)
                 if scheduler.waiting_requests.pop(rid, None) is not None:
                     scheduler.waiting_requests_order.remove(rid)

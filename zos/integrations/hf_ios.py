@@ -1,4 +1,4 @@
-"""transformers 5.17's IO objects with zos's decode steps: synchronous (:class:`ZosIOs`) and
+"""transformers' IO objects with zos's decode steps: synchronous (:class:`ZosIOs`) and
 asynchronous (:class:`ZosAsyncIOs`) batching, with or without transformers' CUDA graphs.
 
 Both subclass transformers' own IO class and change four of its methods for decode-only
@@ -109,6 +109,17 @@ def _whole_read_index(io, kwargs):
     return kwargs
 
 
+def _transformers_step(zos, io, kwargs: dict) -> dict:
+    """The model kwargs of a step transformers' methods built (``kwargs``, from ``io``: the IOs
+    the model reads) when zos serves the run (``zos`` not None): in the release's form for
+    zos's attention (:meth:`~zos.integrations.hf_internals.TF517.to_model`), with the whole
+    read-index row when the step runs in a varlen graph (:func:`varlen_graphed`)."""
+    if zos is None:
+        return kwargs
+    kwargs = zos.tfi.to_model(kwargs)
+    return _whole_read_index(io, kwargs) if varlen_graphed(zos, io) else kwargs
+
+
 def _timed(options, path: str, t0: float) -> None:
     if options.timings is not None:
         options.timings.append((path, time.perf_counter() - t0))
@@ -172,9 +183,8 @@ def _build():
         def get_model_kwargs(self, use_padding: bool = False):
             md = self.zos_md
             if md is None:
-                kwargs = super().get_model_kwargs(use_padding=use_padding)
-                return (_whole_read_index(self, kwargs) if varlen_graphed(self.zos, self)
-                        else kwargs)
+                return _transformers_step(self.zos, self,
+                                          super().get_model_kwargs(use_padding=use_padding))
             args = self._bulk_input_tensor[self.static_inputs:]
             return self.zos.model_kwargs(md, self.cache, args, self.zos_sampled)
 
@@ -260,10 +270,8 @@ def _build():
             cur = self.current_pair
             md = self.zos_md[cur]
             if md is None:
-                dev = self.io_pairs[cur].device_io
-                kwargs = super().get_model_kwargs(use_padding=use_padding)
-                return (_whole_read_index(dev, kwargs) if varlen_graphed(self.zos, dev)
-                        else kwargs)
+                return _transformers_step(self.zos, self.io_pairs[cur].device_io,
+                                          super().get_model_kwargs(use_padding=use_padding))
             return self.zos.model_kwargs(md, self.cache, self.zos_args, self.zos_sampled[cur])
 
         def get_cb_kwargs(self):
@@ -328,7 +336,8 @@ def _build():
 
 
 def zos_ios_classes():
-    """``(ZosIOs, ZosAsyncIOs)``, built once on first use (needs transformers 5.17.0)."""
+    """``(ZosIOs, ZosAsyncIOs)``, built once on first use (needs a tested transformers,
+    :func:`~zos.integrations.hf_internals.internals`)."""
     global _CLASSES
     if _CLASSES is None:
         _CLASSES = _build()

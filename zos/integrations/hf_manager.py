@@ -1,8 +1,8 @@
-"""What zos changes in transformers 5.17's ``ContinuousBatchingManager`` for a zos-enabled model
+"""What zos changes in transformers' ``ContinuousBatchingManager`` for a zos-enabled model
 (a model with ``_zos_options``; managers of other models keep transformers' behaviour, but for
 the zeroed KV cache below).
 
-:func:`install_manager_hook` wraps seven of its methods once per process:
+:func:`install_manager_hook` wraps six of its methods once per process:
 
 * ``__init__``: what the user left to transformers (None) becomes zos's fastest mode
   (:func:`fastest_mode`);
@@ -12,10 +12,12 @@ the zeroed KV cache below).
   (:mod:`zos.integrations.hf_ios`), its scheduler finishes cancelled requests and schedules
   again after them (:func:`finish_cancelled`), and a request its cache cannot hold is refused,
   or failed alone, never the manager (:mod:`zos.integrations.hf_capacity`);
-* ``switch_to_cb_friendly_attn``: the model runs on ``paged|zos`` (zos's decode for zos's
-  steps, zos's varlen attention for prefill and mixed ones: transformers builds no mask for
-  that name), never flash; with torch.compile configs on ``paged|sdpa``, transformers' own;
-* ``warmup``: transformers' warm-up, then zos's (:func:`_warm_up_zos`): one batch per graph
+* ``switch_to_cb_friendly_attn``: the model runs on ``paged|zos`` (``zos`` in 5.25: zos's
+  decode for zos's steps, zos's varlen attention for prefill and mixed ones: transformers
+  builds no mask for that name), never flash; with torch.compile configs on ``paged|sdpa``
+  (``sdpa``), transformers' own;
+* ``warmup``: transformers' warm-up, then zos's (:func:`_warm_up_zos`, the allocator's cache
+  kept between its captures): one batch per graph
   key of zos's (a decode batch per key of :func:`zos_warmup_counts`, once for both IO pairs; a
   prefill step per padded query size of :func:`varlen_warmup_counts`, per IO pair): every graph
   of a zos-served run is captured there, none during a user's requests (transformers' own
@@ -31,6 +33,7 @@ the zeroed KV cache below).
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import math
@@ -41,12 +44,11 @@ from dataclasses import dataclass
 import torch
 
 from zos.integrations.hf_capacity import fail_unschedulable, refuse_oversized
+from zos.integrations.hf_internals import internals
 from zos.integrations.hf_ios import zos_ios_classes
 from zos.integrations.hf_rows import num_sampled
 
 log = logging.getLogger("zos")
-CB_ATTN_IMPLEMENTATION = "paged|sdpa"  # transformers' own: dense attention under its 4-D mask
-ATTN_IMPLEMENTATION = "paged|zos"  # what the manager runs a zos-enabled model on
 
 
 def _compiled(cb_config) -> bool:
@@ -124,7 +126,7 @@ def clear_kv_cache(cache) -> None:
     ``torch.multinomial`` aborts the process with a device-side assert. Zeroed, every manager
     starts where a fresh process does, and a request still reads only what it wrote.
     """
-    tensors = (*cache.key_cache, *cache.value_cache)
+    tensors = internals().kv_tensors(cache)
     for t in tensors:
         t.zero_()
     if tensors and tensors[0].is_cuda:  # the compute streams do not wait for this stream
@@ -263,11 +265,10 @@ def _warmup_step(bp, model, n: int, query_length: int, past: int, fast: bool) ->
     manager with autograd on): a step's K/V write into the cache would otherwise make the cache
     part of an autograd graph that keeps every warm-up forward's activations alive."""
     from transformers.generation.continuous_batching.requests import RequestStatus
-    from transformers.generation.continuous_batching.utils import create_warmup_future_states
 
     cache, runner, ios = bp.cache, bp.model_runner, bp.inputs_and_outputs
     status = RequestStatus.DECODING if query_length == 1 else RequestStatus.PREFILLING
-    states = create_warmup_future_states(n, status, query_length, past, cache)
+    states = internals().create_warmup_future_states(n, status, query_length, past, cache)
     try:
         if len(states) < n:
             raise RuntimeError(f"zos: no KV blocks for a warm-up batch of {n} requests of "
@@ -278,6 +279,31 @@ def _warmup_step(bp, model, n: int, query_length: int, past: int, fast: bool) ->
     finally:
         for fs in states:
             cache.free_blocks(fs.state.request_id)
+
+
+@contextlib.contextmanager
+def _cache_kept_between_captures(device):
+    """Within: each CUDA graph capture leaves the caching allocators' cached memory as it is.
+    ``torch.cuda.graph`` empties the device and pinned-host caches before every capture, so
+    the eager run before the next capture allocates all its memory from the driver again; over
+    a warm-up of a hundred graphs that is most of its time. The caches are emptied once here,
+    before the first capture (vLLM's piecewise graph backend does the same: only its first
+    capture collects garbage and empties the cache). No-op off CUDA."""
+    if device.type != "cuda":
+        yield
+        return
+    torch.cuda.empty_cache()
+    saved = {name: getattr(mod, name) for mod, name in
+             ((torch.cuda, "empty_cache"), (torch._C, "_host_emptyCache")) if hasattr(mod, name)}
+    try:
+        torch.cuda.empty_cache = lambda: None
+        if "_host_emptyCache" in saved:
+            torch._C._host_emptyCache = lambda: None
+        yield
+    finally:
+        torch.cuda.empty_cache = saved["empty_cache"]
+        if "_host_emptyCache" in saved:
+            torch._C._host_emptyCache = saved["_host_emptyCache"]
 
 
 def _warm_up_zos(bp, model) -> dict[str, WarmupKind]:
@@ -302,9 +328,11 @@ def _warm_up_zos(bp, model) -> dict[str, WarmupKind]:
     ios, runner, cache = bp.inputs_and_outputs, bp.model_runner, bp.cache
     if ios.zos is None or not (runner.use_cuda_graph_decode or runner.use_cuda_graph_varlen):
         return {}
-    fast = cache.max_blocks_per_request > 0  # what the scheduler says of a short decode batch
-    past = cache.block_size - 1  # a decode warm-up's query token is its block's last
-    free = cache.get_num_free_blocks()
+    tfi = internals()
+    fast = tfi.decode_fast_path(cache)  # what the scheduler says of a short decode batch
+    page = tfi.page_size(cache)
+    past = page - 1  # a decode warm-up's query token is its block's last
+    free = tfi.free_blocks(cache)
     counts, tokens = [], []
     if runner.use_cuda_graph_decode:
         counts = zos_warmup_counts(ios.zos.backend, ios.zos.buffers.max_num_reqs,
@@ -317,7 +345,7 @@ def _warm_up_zos(bp, model) -> dict[str, WarmupKind]:
     if runner.use_cuda_graph_varlen:
         tokens = varlen_warmup_counts(lambda t: runner.maybe_pad_inputs(t, 0, False)[0],
                                       cache.max_batch_tokens)
-        fits = [t for t in tokens if -(-t // cache.block_size) <= free]
+        fits = [t for t in tokens if -(-t // page) <= free]
         if len(fits) > MAX_VARLEN_WARMUP or len(fits) < len(tokens):
             warnings.warn(f"zos: {len(tokens)} prefill graph sizes, {len(fits)} within the KV "
                           f"cache's {free} free blocks; the warm-up captures "
@@ -335,7 +363,8 @@ def _warm_up_zos(bp, model) -> dict[str, WarmupKind]:
     log.info("zos: warm-up: capturing %d decode and %d prefill graphs",
              *(len(todo) * on for todo, on in kinds.values()))
     report = {}
-    with torch.random.fork_rng(devices=[bp.model_device]):
+    with (torch.random.fork_rng(devices=[bp.model_device]),
+          _cache_kept_between_captures(bp.model_device)):
         for kind, (todo, on_pairs) in kinds.items():
             t0, mem0 = _now(bp.model_device), _reserved(bp.model_device)
             for _ in range(on_pairs):
@@ -345,6 +374,7 @@ def _warm_up_zos(bp, model) -> dict[str, WarmupKind]:
                     ios.swap_io_pairs()
             report[kind] = WarmupKind(len(todo) * on_pairs, _now(bp.model_device) - t0,
                                       _reserved(bp.model_device) - mem0)
+    tfi.after_warmup(cache)
     log.info("zos: warm-up: %s", describe_warmup(report))
     return report
 
@@ -378,18 +408,20 @@ def install_manager_hook() -> None:
         original_init(self, model, generation_config, continuous_batching_config,
                       workload_hints)
 
+    tfi = internals()
+
     def _create_batch_processor(self):
         options = getattr(self.model, "_zos_options", None)
         cfg = self.continuous_batching_config
         compiled = _compiled(cfg)
         previous = getattr(self, "batch_processor", None)
         if (options is not None and compiled
-                and self.model.config._attn_implementation == ATTN_IMPLEMENTATION):
+                and self.model.config._attn_implementation == tfi.attn):
             # every step of such a run is transformers': its own attention, with its mask;
             # the model gets its attention back when the manager stops
-            self.model.set_attn_implementation(CB_ATTN_IMPLEMENTATION)
+            self.model.set_attn_implementation(tfi.cb_sdpa)
             if self._original_attn_impl is None:
-                self._original_attn_impl = ATTN_IMPLEMENTATION
+                self._original_attn_impl = tfi.attn
         bp = original_create(self)
         if bp is not previous:  # a new cache (transformers resets and returns its own)
             clear_kv_cache(bp.cache)
@@ -400,8 +432,8 @@ def install_manager_hook() -> None:
         why = None
         if compiled:
             why = "torch.compile configs are not supported"
-        elif impl != ATTN_IMPLEMENTATION:
-            why = f"the manager runs this model on {impl!r}, not {ATTN_IMPLEMENTATION!r}"
+        elif impl != tfi.attn:
+            why = f"the manager runs this model on {impl!r}, not {tfi.attn!r}"
         serves = why is None
         if not serves:
             warnings.warn(f"zos: {why}; this run keeps transformers' own path for every step",
@@ -419,19 +451,17 @@ def install_manager_hook() -> None:
         fail_unschedulable(bp)
         return bp
 
-    def switch_to_cb_friendly_attn(self, model):
-        """transformers' switch for other models; a zos-enabled model on ``sdpa`` or
-        ``paged|sdpa`` goes to ``paged|zos``, never to a flash attention (zos decodes over the
-        sdpa-shaped cache), and, as transformers does, gets its own back when the manager
-        stops."""
-        if not zos_on(model):
-            return original_switch(self, model)
+    def switch_to_cb_friendly_attn(self, model, *args, **kwargs):
+        """transformers' switch for other models; a zos-enabled model on ``sdpa`` (or 5.17's
+        ``paged|sdpa``) goes to zos's attention (``paged|zos``; ``zos`` in 5.25), never to a
+        flash attention (zos decodes over the sdpa-shaped cache: 5.25's
+        ``auto_switch_to_flash`` is not applied), and, as transformers does, gets its own back
+        when the manager stops."""
         impl = model.config._attn_implementation
-        if impl in ("sdpa", CB_ATTN_IMPLEMENTATION):
-            model.set_attn_implementation(ATTN_IMPLEMENTATION)
-            self._original_attn_impl = impl
-        elif not impl.startswith("paged|"):
-            model.set_attn_implementation(f"paged|{impl}")
+        if not zos_on(model) or impl not in tfi.accepted_attn:
+            return original_switch(self, model, *args, **kwargs)
+        if impl != tfi.attn:
+            model.set_attn_implementation(tfi.attn)
             self._original_attn_impl = impl
         return None
 

@@ -35,9 +35,10 @@ import numpy as np
 import torch
 
 from zos.buckets import POLICIES
-from zos.buffers import DecodeBuffers, PaddingProfile, StepMetadata
+from zos.buffers import DecodeBuffers, StepMetadata
 from zos.device_backend import DeviceMetadataBackend
 from zos.host_backend import HostMetadataBackend
+from zos.integrations.hf_internals import internals
 from zos.step import DecodeStep
 
 TMP_TOKEN_ID = -1  # transformers' placeholder for a token still being sampled (requests.py)
@@ -64,7 +65,9 @@ class ZosDecodeRows:
     """zos's buffers, backend and row state inside one transformers batch processor.
 
     Args:
-        cache: transformers' ``PagedAttentionCache`` (one full-attention group).
+        cache: transformers' ``PagedAttentionCache`` (one full-attention group), read through
+            :func:`~zos.integrations.hf_internals.internals` (block ids scaled to zos's page
+            ids where the release interleaves layers' pages).
         config: the model's text config (``vocab_size``, ``max_position_embeddings``).
         max_requests: rows held (transformers' ``max_requests_per_batch``).
         device: the model's device.
@@ -79,29 +82,33 @@ class ZosDecodeRows:
             taken on the device from the previous batch's output.
 
     Raises:
-        ValueError: the cache has more than one layer group (sliding-window layers).
+        ValueError: the cache is not one full-attention group (sliding-window layers).
     """
 
     def __init__(self, cache, config, max_requests: int, device: torch.device, stream,
                  options, *, graphed: bool, async_carry: bool) -> None:
-        if cache.num_groups != 1 or cache.num_sliding_attention_groups:
-            raise ValueError(f"zos supports models whose layers all use full attention (one "
-                             f"cache group), got {cache.num_groups} groups")
-        bs = cache.block_size
+        tfi = internals()
+        why = tfi.unservable(cache)
+        if why is not None:
+            raise ValueError(why)
+        bs = tfi.page_size(cache)
         w = options.max_num_blocks_per_req
         if w is None:
-            max_pos = getattr(config, "max_position_embeddings", None) or cache.num_pages
-            w = min(-(-max_pos // bs), cache.num_blocks)
-        self.cache, self.options = cache, options
+            max_pos = getattr(config, "max_position_embeddings", None) or tfi.max_tokens_read(cache)
+            w = min(-(-max_pos // bs), tfi.num_blocks(cache))
+        self.cache, self.options, self.tfi = cache, options, tfi
+        self.block_size, self.tables = bs, tfi.block_tables(cache)
+        self.id_scale = tfi.block_id_scale(cache)
         self.buffers = DecodeBuffers(max_requests, w, bs, device=device,
-                                     padding=PaddingProfile.transformers(cache.num_blocks, bs))
+                                     padding=tfi.padding_profile(cache))
         buckets = None
         if options.bucket_policy is not None:
             # Every policy's largest size counts requests at q = 1: its own maximum keyword,
             # then max_requests itself a bucket (as the engine's make_buckets).
             buckets = POLICIES[options.bucket_policy].build(max_requests).with_max(max_requests)
         cuda = device.type == "cuda"
-        kw = dict(num_kv_blocks=cache.num_blocks, vocab_size=config.vocab_size, buckets=buckets)
+        kw = dict(num_kv_blocks=tfi.num_kv_blocks(cache), vocab_size=config.vocab_size,
+                  buckets=buckets)
         self.host_built = options.metadata_backend == "host"
         self.stream = stream
         if self.host_built:  # carried rows' tokens gathered on the device, from ``sampled``
@@ -151,9 +158,9 @@ class ZosDecodeRows:
         n = len(requests)
         if n == 0 or n > self.buffers.max_num_reqs:
             return None
-        bs = self.cache.block_size
+        bs = self.block_size
         max_pos = self.buffers.max_num_blocks_per_req * bs
-        tables = self.cache.group_cache_managers[0].block_table
+        tables = self.tables
         prev_get = self.prev.get
         ids, rows, carry = [], {}, []
         new_rows, new_tokens, new_positions, indptr, flat = [], [], [], [0], []
@@ -208,13 +215,16 @@ class ZosDecodeRows:
             ids.append(zid)
             rows[rid] = (st, pos, zid, held)
         self.next_id = next_id
-        i32 = np.int32
+        i32, scale = np.int32, self.id_scale
+
+        def pages(blocks):  # transformers' block ids -> zos's page ids
+            return np.array(blocks, i32) * scale if scale != 1 else np.array(blocks, i32)
+
         step = DecodeStep(np.array(ids, np.int64), np.array(new_rows, i32),
                           np.array(new_tokens, i32), np.array(new_positions, i32),
-                          np.array(indptr, i32), np.array(flat, i32),
-                          np.array(app_rows, i32), np.array(app_blocks, i32),
-                          np.array(rw_rows, i32), np.array(rw_indptr, i32),
-                          np.array(rw_flat, i32))
+                          np.array(indptr, i32), pages(flat),
+                          np.array(app_rows, i32), pages(app_blocks),
+                          np.array(rw_rows, i32), np.array(rw_indptr, i32), pages(rw_flat))
         return BuiltStep(step, rows, carry or None)
 
     def stage(self, built: BuiltStep, *, prev_output_ids: torch.Tensor | None = None
@@ -294,13 +304,8 @@ class ZosDecodeRows:
         so with the same rows and inputs a seeded run samples the same tokens as transformers'
         (zos's buckets differ from transformers' padded sizes). ``logits_processor_args``:
         transformers' per-request processor arguments, at least ``num_sampled`` columns."""
-        return dict(input_ids=md.input_ids.unsqueeze(0), position_ids=md.positions.unsqueeze(0),
-                    cu_seq_lens_q=md.query_start_loc, cu_seq_lens_k=md.query_start_loc,
-                    max_seqlen_q=1, max_seqlen_k=1,
-                    logits_indices=self.logits_rows[:num_sampled],
-                    logits_processor_args=logits_processor_args[:, :num_sampled],
-                    attention_mask=None, read_index=[], write_index=[], cache=cache,
-                    block_table=None, use_cache=False, zos_metadata=md)
+        return self.tfi.decode_kwargs(md, self.logits_rows[:num_sampled],
+                                      logits_processor_args[:, :num_sampled], cache)
 
 
 def num_sampled(requests, num_q_tokens: int, max_requests: int, use_padding: bool) -> int:

@@ -1,7 +1,8 @@
 """``zos serve``: transformers' OpenAI-compatible server (``transformers serve
---continuous-batching``, transformers 5.17.0) with zos preparing its decode steps.
+--continuous-batching``) with zos preparing its decode steps. This module: transformers 5.17.0;
+5.25.0's server is :mod:`zos.integrations.serve_525`.
 
-transformers' server loads the model named on its command line at start-up but creates its
+transformers 5.17's server loads the model named on its command line at start-up but creates its
 ``ContinuousBatchingManager`` on the first request (``CBGenerateManager.init_cb`` in
 ``transformers/cli/serving/utils.py``), from that request's generation config, and the manager's
 warm-up (every CUDA graph) then held that request, and every request behind it on the server's
@@ -22,8 +23,8 @@ warm-up, unless ``--cb-use-cuda-graph`` / ``--no-cb-use-cuda-graph`` chooses, an
 batching (the server has no flag for it).
 
 The model comes from a local directory only: :func:`main` refuses anything else and runs the
-server with ``HF_HUB_OFFLINE=1``. Needs the ``hf`` extra (transformers 5.17.0 and its serving
-packages: fastapi, uvicorn, openai).
+server with ``HF_HUB_OFFLINE=1``. Needs the ``hf`` extra (transformers 5.17.0 or 5.25.0 and its
+serving packages: fastapi, uvicorn, openai).
 """
 from __future__ import annotations
 
@@ -90,13 +91,24 @@ def install(options=None) -> None:
     serve a zos-enabled model (once per process; later calls change nothing). ``options``: a
     :class:`~zos.integrations.transformers.ZosOptions` (defaults when None).
 
-    Raises:
-        RuntimeError: transformers is not 5.17.0 (from ``enable_zos``'s check).
-    """
-    from zos.integrations.transformers import _transformers, enable_zos
+    On transformers 5.25 the server loads, warms up and starts the model's manager in a process
+    of its own before ``/health`` answers: :mod:`zos.integrations.serve_525`.
 
-    _transformers()
+    Raises:
+        RuntimeError: transformers is not a tested release
+            (:func:`~zos.integrations.hf_internals.internals`).
+    """
+    from zos.integrations.hf_internals import internals
+
+    internals().install_server(options)
+
+
+def install_517(options) -> None:
+    """:func:`install` on transformers 5.17: wraps ``CBGenerateManager.init_cb`` and
+    ``build_server`` (module docstring)."""
     from transformers.cli.serving import server, utils
+
+    from zos.integrations.transformers import enable_zos
 
     manager = utils.CBGenerateManager
     if getattr(manager.init_cb, "_zos_hook", False):

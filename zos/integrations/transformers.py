@@ -1,7 +1,13 @@
 """zos inside Hugging Face transformers' continuous batching (``generate_batch``,
-``ContinuousBatchingManager``), transformers 5.17.0 only (``pip install -e ".[hf]"``).
+``ContinuousBatchingManager``), transformers 5.17 and 5.25 (``pip install -e ".[hf]"``).
 
-Plug-in point: the IO object of transformers' batch processor. transformers 5.17 builds every
+The internals zos relies on differ between the two lines; :mod:`zos.integrations.hf_internals`
+names them all, with one adapter per line. The attention names below are 5.17's: 5.25 dropped
+the ``paged|`` prefix, so ``paged|zos`` is ``zos`` there and transformers' ``paged|sdpa`` is
+``sdpa``; 5.25's model updates the paged cache itself when it gets the cache, so zos hands it
+the cache as ``zos_cache`` and its attention writes K/V, as in 5.17.
+
+Plug-in point: the IO object of transformers' batch processor. transformers builds every
 step's inputs in ``ContinuousBatchingIOs.prepare_batch_tensors`` (a Python loop over the
 requests, one ``torch.tensor`` + copy per field), the model reads them through
 ``get_model_kwargs``, and the function its model runner runs or captures in a CUDA graph
@@ -48,16 +54,20 @@ Per step:
   :func:`zos.integrations.hf_ios.varlen_graphed`). The next zos step stages every row as new:
   5 record words, 2 row words and the row's block ids per request.
 
-Block ids: transformers hands out blocks 0 .. num_blocks - 1 and keeps two blocks past them
+Block ids: transformers 5.17 hands out blocks 0 .. num_blocks - 1 and keeps two blocks past them
 (``cache.read_trash_index``: a zeroed block never written; ``write_trash_index``: written by
 padding, never read). zos's buffers use :meth:`zos.PaddingProfile.transformers`: the null block
 is the read-trash block and the pad slot the write-trash slot, so ids map one to one and no block
-transformers hands out is reserved (the packer accepts block 0 under that profile).
+transformers hands out is reserved (the packer accepts block 0 under that profile). 5.25
+interleaves every layer's K and V pages in one block: zos's page id of block b is ``b *
+pages_stride`` in the layer's page view, its null block page 0 (the zeroed read trash) and its
+pad slot the allocator's write trash (:class:`zos.integrations.hf_internals.TF525`).
 
 What zos does not serve keeps transformers' own path, with a one-line ``RuntimeWarning``: an
 attention other than ``sdpa`` / ``paged|sdpa`` (e.g. ``paged|eager``, flash), models with
 sliding-window layers (:func:`enable_zos` then leaves the model as it is), torch.compile
-configs (every step of that run is transformers'). transformers 5.17.0 only; beam search /
+configs (every step of that run is transformers'). Other transformers releases are refused with
+one line (:func:`zos.integrations.hf_internals.internals`); beam search /
 ``num_return_sequences`` > 1 forks are not special-cased (forked requests are new rows to zos).
 """
 from __future__ import annotations
@@ -68,29 +78,19 @@ from dataclasses import dataclass
 from zos.attention import paged_decode_attention_kv
 from zos.buckets import POLICIES
 from zos.buffers import StepMetadata
-from zos.integrations.hf_manager import (
-    ATTN_IMPLEMENTATION,
-    CB_ATTN_IMPLEMENTATION,
-    install_manager_hook,
-)
+from zos.integrations.hf_internals import TESTED, internals
+from zos.integrations.hf_manager import install_manager_hook
 from zos.varlen_attention import varlen_attention
 
-SUPPORTED_TRANSFORMERS = "5.17.0"
 METADATA_BACKENDS = ("device", "host")
-_ACCEPTED_ATTN = ("sdpa", "paged|sdpa", ATTN_IMPLEMENTATION)
+SUPPORTED_TRANSFORMERS = TESTED  # the releases whose internals zos's adapters name
 
 
 def _transformers():
-    """The transformers module, or RuntimeError naming the installed and the supported version."""
-    try:
-        import transformers
-    except ImportError as e:  # pragma: no cover - the extra is missing
-        raise RuntimeError(f"zos.integrations.transformers needs transformers=="
-                           f"{SUPPORTED_TRANSFORMERS} (pip install -e \".[hf]\")") from e
-    if transformers.__version__ != SUPPORTED_TRANSFORMERS:
-        raise RuntimeError(f"zos.integrations.transformers supports transformers=="
-                           f"{SUPPORTED_TRANSFORMERS} only (its continuous-batching internals "
-                           f"change between releases), found {transformers.__version__}")
+    """The transformers module, once :func:`~zos.integrations.hf_internals.internals` has an
+    adapter for it (RuntimeError, one line, otherwise)."""
+    internals()
+    import transformers
     return transformers
 
 
@@ -155,32 +155,26 @@ def zos_paged_attention(module, query, key, value, attention_mask, scaling=None,
             windows: :func:`enable_zos` refuses such models); the varlen attention's
             ValueError / TypeError for inputs outside its contract.
     """
+    tfi = internals()
     md: StepMetadata | None = kwargs.get("zos_metadata")
-    cache = kwargs.get("cache")
+    cache = kwargs.get(tfi.cache_kwarg)
     if md is None and (attention_mask is not None or cache is None):
-        from transformers.integrations.sdpa_paged import sdpa_attention_paged_forward
-        return sdpa_attention_paged_forward(module, query, key, value, attention_mask,
-                                            dropout=dropout, scaling=scaling, **kwargs)
-    group, j = cache.layer_index_to_group_indices[module.layer_idx]
-    if group != 0 or cache.sliding_windows[module.layer_idx] != 1:
-        raise ValueError(f"paged|zos: layer {module.layer_idx} is in cache group {group} with "
-                         f"sliding window {cache.sliding_windows[module.layer_idx]}; zos supports "
-                         f"one full-attention group")
-    kc, vc = cache.key_cache[j], cache.value_cache[j]
+        return tfi.fallback_attention()(module, query, key, value, attention_mask,
+                                        dropout=dropout, scaling=scaling, **kwargs)
+    kp, vp, group = tfi.layer_pages(cache, module.layer_idx)
+    kc, vc = kp.view(-1, *kp.shape[2:]), vp.view(-1, *vp.shape[2:])  # token rows, no copy
     scale = float(scaling if scaling is not None else module.scaling)
     q = query[0].transpose(0, 1)
     if md is None:
-        write, read = kwargs["write_index"][group], kwargs["read_index"][group]
+        write, read, cu_k = tfi.varlen_args(kwargs, group, "full_attention")
         kc.index_copy_(0, write, key[0].transpose(0, 1))
         vc.index_copy_(0, write, value[0].transpose(0, 1))
         out = varlen_attention(q, kc, vc, read if read.numel() else write,
-                               kwargs["cu_seq_lens_q"], kwargs["cu_seq_lens_k"], scale)
+                               kwargs["cu_seq_lens_q"], cu_k, scale)
         return out.unsqueeze(0), None
     kc.index_copy_(0, md.slot_mapping, key[0].transpose(0, 1))
     vc.index_copy_(0, md.slot_mapping, value[0].transpose(0, 1))
-    shape = (-1, cache.block_size, cache.num_key_value_heads, cache.head_dim)
-    out = paged_decode_attention_kv(q, kc.view(shape), vc.view(shape),
-                                    md.block_table, md.seq_lens, scale)
+    out = paged_decode_attention_kv(q, kp, vp, md.block_table, md.seq_lens, scale)
     return out.unsqueeze(0), None
 
 
@@ -217,7 +211,8 @@ def enable_zos(model, options: ZosOptions | None = None) -> bool:
         sliding-window layers): transformers' own continuous batching then runs as it would.
 
     Raises:
-        RuntimeError: transformers is not 5.17.0; or, on a CPU, triton was imported before zos
+        RuntimeError: transformers is not a tested release (5.17 or 5.25, one line naming what
+            is missing); or, on a CPU, triton was imported before zos
             (its interpreter is then off).
         ValueError: an unknown ``options.bucket_policy`` or ``options.metadata_backend``.
         TypeError: options is not a ZosOptions.
@@ -246,8 +241,8 @@ def enable_zos(model, options: ZosOptions | None = None) -> bool:
     # One dispatcher under both names: with a ``zos_metadata`` kwarg (only zos's IOs pass one)
     # zos's decode; with transformers' mask (``paged|sdpa``) exactly transformers' attention,
     # so other models see no change.
-    tf.AttentionInterface.register(ATTN_IMPLEMENTATION, zos_paged_attention)
-    tf.AttentionInterface.register(CB_ATTN_IMPLEMENTATION, zos_paged_attention)
+    for name in internals().registered:
+        tf.AttentionInterface.register(name, zos_paged_attention)
     install_manager_hook()
     model._zos_options = options
     return True
@@ -259,9 +254,9 @@ def unsupported(model) -> str | None:
     zos decodes and prefills with full attention over transformers' paged cache: other
     attention implementations (``eager``, flash) and
     models with sliding-window layers (e.g. Gemma 3's layout) keep transformers' path."""
-    impl = model.config._attn_implementation
-    if impl not in _ACCEPTED_ATTN:
-        return f"attn_implementation {impl!r} is not one of {_ACCEPTED_ATTN}"
+    impl, accepted = model.config._attn_implementation, internals().accepted_attn
+    if impl not in accepted:
+        return f"attn_implementation {impl!r} is not one of {accepted}"
     text = model.config.get_text_config()
     layer_types = getattr(text, "layer_types", None)
     if layer_types is None:  # transformers' cache groups: every layer sliding if a window is set
