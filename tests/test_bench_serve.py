@@ -3,6 +3,7 @@ streams are active, against a count of each token's arrival time (tokens spread 
 a request's first and last content chunk, as the benchmark assumes)."""
 import importlib.util
 import random
+import types
 from pathlib import Path
 
 import pytest
@@ -18,10 +19,12 @@ def rec(stream, sent, first, last, tokens, error=None):
                 end=last if last is not None else sent)
 
 
-def reference(records, end):
-    """Token times first + k * (last - first) / (tokens - 1), counted inside the window."""
-    start = max(min(r["sent"] for r in records if r["stream"] == s)
-                for s in {r["stream"] for r in records})
+def reference(records, end, start=None):
+    """Token times first + k * (last - first) / (tokens - 1), counted inside the window (from
+    ``start``; None: when the last stream sent its first request)."""
+    if start is None:
+        start = max(min(r["sent"] for r in records if r["stream"] == s)
+                    for s in {r["stream"] for r in records})
     n = 0.0
     for r in records:
         if r["error"] or not r["tokens"] or r["first"] is None:
@@ -73,3 +76,52 @@ def test_window_agrees_with_counting_token_times(seed):
                 for s in {r["stream"] for r in records})
     # even spread against whole tokens: at most one token apart per request at each edge
     assert got == pytest.approx(reference(records, end), abs=2 * len(records) / (end - start))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_open_loop_window_counts_from_the_first_arrival(seed):
+    """The open loop's window runs from the first arrival (an explicit start), not from when
+    the last stream started: one stream per request, arrivals spread over the window."""
+    rng = random.Random(seed)
+    records = []
+    for s in range(40):
+        t = rng.uniform(0, 5)
+        k = rng.randint(1, 200)
+        first = t + rng.uniform(0.01, 0.3)
+        records.append(rec(s, t, first, first + (k - 1) * rng.uniform(0.002, 0.03), k))
+    start = min(r["sent"] for r in records)
+    got = bench_serve.window_tokens_per_s(records, 5.0, start)
+    assert got == pytest.approx(reference(records, 5.0, start), abs=2 * len(records) / 5)
+    assert got != pytest.approx(bench_serve.window_tokens_per_s(records, 5.0))
+
+
+def test_open_workload_is_poisson_with_some_streams_closed(monkeypatch):
+    """Arrivals of a Poisson process of the offered rate within the duration (their count
+    within 5% of rate x duration for 5000 expected), one request per stream, in order; about
+    the asked share closed after 2 .. 5 chunks, the others run to their end."""
+    monkeypatch.setattr(bench_serve, "workload", lambda tok, streams, count, args, seed: [
+        (0.0, [(f"p{i}", 8 + i % 5) for i in range(count)])])
+    args = types.SimpleNamespace(duration=100.0, close_early=0.1)
+    load = bench_serve.open_workload(None, 50.0, args, seed=3)
+    arrivals = [at for at, _ in load]
+    assert arrivals == sorted(arrivals) and 0 < arrivals[0] and arrivals[-1] < 100.0
+    assert abs(len(load) - 5000) < 250
+    gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
+    assert sum(gaps) / len(gaps) == pytest.approx(1 / 50, rel=0.05)
+    assert all(len(items) == 1 for _, items in load)
+    closed = [items[0][2] for _, items in load if len(items[0]) == 3]
+    assert abs(len(closed) / len(load) - 0.1) < 0.02 and set(closed) <= {2, 3, 4, 5}
+    assert [items[0][:2] for _, items in load] == [(f"p{i}", 8 + i % 5) for i in range(len(load))]
+
+
+def test_window_counts_what_closed_and_unfinished_requests_received():
+    """A request its client closed, or one given up at the drain limit, has no usage figure:
+    its content chunks (a token each) count; a failed request's do not."""
+    closed = dict(rec(0, 0.0, 1.0, 2.0, None), chunks=5, closed=True)
+    unfinished = dict(rec(1, 0.0, 1.0, 3.0, None, error=bench_serve.UNFINISHED), chunks=9)
+    failed = dict(rec(2, 0.0, 1.0, 2.0, None, error="HTTP 500"), chunks=4)
+    done = rec(3, 0.0, 1.0, 2.0, 3)
+    got = bench_serve.window_tokens_per_s([closed, unfinished, failed, done], 4.0, 0.0)
+    assert got == pytest.approx((5 + 9 + 3) / 4.0)
+    assert bench_serve.window_tokens_per_s([], 4.0, 0.0) is None
+    assert bench_serve.summarize([], 4.0, 0, start=0.0)["requests"] == 0

@@ -471,6 +471,18 @@ def test_sliding_window_model_keeps_transformers_path():
     assert ours == theirs and timings == []
 
 
+def test_compressed_latent_cache_keeps_transformers_path():
+    """A model whose config has ``kv_lora_rank`` gets transformers' MLA cache (5.25: an
+    ``MLACacheAllocator``, a subclass of the full-attention one, holding latents, not K and V
+    per head): enable_zos refuses it with a one-line warning and leaves the model as it is,
+    instead of a manager failing when it builds zos's rows."""
+    model = tiny_llama(12)
+    model.config.kv_lora_rank = 8
+    with pytest.warns(RuntimeWarning, match=r"zos: .*compressed latents \(MLA\).*own"):
+        assert enable_zos(model) is False
+    assert not hasattr(model, "_zos_options")
+
+
 @pytest.mark.parametrize("attn", ["sdpa", "zos"])
 def test_compile_configs_keep_transformers_path(attn):
     """With torch.compile configs zos serves no step of the run (one-line warning): the model

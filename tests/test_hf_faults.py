@@ -33,7 +33,7 @@ from transformers.generation.continuous_batching import (  # noqa: E402
     offloading_manager,
 )
 
-from zos.integrations.hf_internals import internals  # noqa: E402
+from zos.integrations.hf_internals import TF517, internals  # noqa: E402
 from zos.integrations.hf_ios import zos_ios_classes  # noqa: E402
 from zos.integrations.hf_rows import ZosDecodeRows  # noqa: E402
 from zos.integrations.transformers import (  # noqa: E402
@@ -80,8 +80,9 @@ def test_prefix_sharing_after_cpu_offload(seed, monkeypatch, cpu_offload_pool, z
     into new blocks and then swaps their complete blocks for identical shared ones in place,
     freeing the others, which it hands out again. Greedy tokens with zos equal transformers'
     own and generate() (before the fix, one request of each seed decoded from a reused block).
-    5.25 de-duplicates a block when it completes, before zos carries the request, so its runs
-    have no rewritten row to check."""
+    In 5.25's runs of this scenario no carried row's list changed (0 rewritten rows for both
+    seeds), so the rewrite count is checked on 5.17 only;
+    test_identical_requests_share_their_completed_blocks rewrites rows on both."""
     evicted = []
     original = offloading_manager.OffloadingManager.offload_requests
 
@@ -104,6 +105,21 @@ def test_prefix_sharing_after_cpu_offload(seed, monkeypatch, cpu_offload_pool, z
     assert ours == want
     if internals().line == "5.17":
         assert sum(len(s.rewrite_rows) for s in zos_step_log) > 0, "no carried row was rewritten"
+
+
+@pytest.mark.parametrize("batch_tokens", [10, 32])
+def test_identical_requests_share_their_completed_blocks(batch_tokens, zos_step_log):
+    """Requests with the same prompt decode the same tokens greedily, so each block they fill
+    has a twin; with block sharing on (the default) transformers de-duplicates a block that
+    completes, rewriting a live request's block list in place while zos carries the request.
+    zos takes the runner's list as the truth for that row (a rewritten row): tokens equal
+    generate()'s. With 10 batch tokens the three prefills run one step apart; with 32 together."""
+    model = tiny_llama(13)
+    inputs = prompts(13, (10,), model.config.vocab_size) * 3
+    want = [reference(model, p, 14) for p in inputs]
+    ours, timings = run_generate_batch(model, inputs, 14, zos=True, max_batch_tokens=batch_tokens)
+    assert ours == want and [p for p, _ in timings].count("zos") > 0
+    assert sum(len(s.rewrite_rows) for s in zos_step_log) > 0, "no block was de-duplicated"
 
 
 def test_runner_moving_earlier_blocks(monkeypatch, zos_step_log):
@@ -276,7 +292,9 @@ def test_carry_detection_with_fake_runner(kind, seed):
     cls = DeviceMetadataBackend if kind == "device" else HostMetadataBackend
     backend = cls(bufs, num_kv_blocks=nb, vocab_size=97)
     rows_state = types.SimpleNamespace(  # what build_step reads of a ZosDecodeRows
-        block_size=bs, tables=runner.block_table, id_scale=1, buffers=bufs, prev={}, next_id=0)
+        block_size=bs, tfi=TF517(), id_scale=1, buffers=bufs, prev={}, next_id=0,
+        cache=types.SimpleNamespace(group_cache_managers=[
+            types.SimpleNamespace(block_table=runner.block_table)]))
     held = {}  # request id -> the block list zos was last given for it
     rewritten = 0
     for _ in range(40):

@@ -6,7 +6,7 @@ chunk up by a block, 5.25 allocates exactly); under asynchronous batching a requ
 scheduled once more while its last token is in flight. When the only
 request left cannot get its next blocks, or no request can get its first ones, its
 ``prepare_next_batch`` raises ``RuntimeError(NO_ROOM)`` and the manager's thread dies, failing
-every request (on a small cache, a 47-token prompt in 12 blocks of 4 tokens is enough). zos:
+every request (on a small cache, a 49-token prompt in 12 blocks of 4 tokens is enough). zos:
 
 * :func:`blocks_for` is what such a request needs alone; :func:`refuse_oversized` makes the
   batch processor fail a new request needing more than the cache has, with a ValueError naming

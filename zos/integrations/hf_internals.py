@@ -98,7 +98,15 @@ class TF517:
         """``(k_pages, v_pages, group)``: the layer's K and V as contiguous ``[pages,
         page_size, num_kv_heads, head_dim]`` views (no copy; ``view(-1, H, D)`` is the token
         view transformers' write and read indices address) and the index of its group in those
-        index lists. ValueError for a layer outside the only full-attention group."""
+        index lists; built once per cache and layer (the attention asks at every call).
+        ValueError for a layer outside the only full-attention group."""
+        memo = cache.__dict__.setdefault("_zos_layer_pages", {})
+        pages = memo.get(layer_idx)
+        if pages is None:
+            pages = memo[layer_idx] = self._layer_pages(cache, layer_idx)
+        return pages
+
+    def _layer_pages(self, cache, layer_idx: int):
         group, j = cache.layer_index_to_group_indices[layer_idx]
         if group != 0 or cache.sliding_windows[layer_idx] != 1:
             raise ValueError(f"zos attention: layer {layer_idx} is in cache group {group} with "
@@ -254,7 +262,7 @@ class TF525(TF517):
         alloc = self._full(cache)
         return alloc.get_cache_for_block_table(alloc.layer_indices[-1])[0].shape[0]
 
-    def layer_pages(self, cache, layer_idx: int):
+    def _layer_pages(self, cache, layer_idx: int):
         alloc = cache.layer_to_allocator[layer_idx]
         if alloc is not self._full(cache) or self.unservable(cache) is not None:
             raise ValueError(f"zos attention: layer {layer_idx} is served by "

@@ -7,7 +7,8 @@ batches (:class:`~zos.integrations.hf_rows.ZosDecodeRows` says which):
 * ``prepare_batch_tensors``: zos stages the step (its record into zos's staging ring, whose
   slots the prep kernels release through its done word) and does transformers' per-request
   bookkeeping (positions, placeholder tokens, output positions);
-* ``get_model_kwargs``: the model reads zos's buffers (``"paged|zos"`` attention);
+* ``get_model_kwargs``: the model reads zos's buffers (zos's attention: ``"paged|zos"``;
+  ``"zos"`` in 5.25);
 * ``carry_over_tokens``: transformers calls it first inside the function it runs or captures
   (``ModelRunner._forward_process_and_sample``): zos's device work goes there, so with
   transformers' graphs on, prep, model, logits processors and sampling are one replay;
@@ -20,7 +21,7 @@ batches (:class:`~zos.integrations.hf_rows.ZosDecodeRows` says which):
   a request, with its eager run's draws, whenever the request meets a key its warm-up did not;
   zos's run never does).
 
-Prefill and mixed batches are transformers' own methods; under ``"paged|zos"`` transformers
+Prefill and mixed batches are transformers' own methods; under zos's attention transformers
 builds no 4-D mask for them: zos's varlen attention reads its ``cu_seq_lens_*`` and cache
 indices instead (:func:`zos.integrations.transformers.zos_paged_attention`). With transformers'
 varlen graphs on, ``get_model_kwargs`` passes such a step the whole read-index row and the graph
@@ -101,10 +102,10 @@ def varlen_graphed(zos, io) -> bool:
 
 def _whole_read_index(io, kwargs):
     """``kwargs`` (transformers' model kwargs of ``io``'s step) with each group's read index the
-    whole row of ``io.read_index_storage`` (int64 ``[num_pages + max_batch_tokens]``) instead of
-    its first ``max_kv_read + num_q_tokens`` entries, a size a graph would bake in. zos's varlen
-    attention reads entries ``cu_seq_lens_k[s] ..`` of it only, all below
-    ``cu_seq_lens_k[-1]``, which transformers wrote for this step."""
+    whole row of ``io.read_index_storage`` (int64, the most tokens a request reads plus
+    ``max_batch_tokens``) instead of its first ``max_kv_read + num_q_tokens`` entries, a size a
+    graph would bake in. zos's varlen attention reads entries ``cu_seq_lens_k[s] ..`` of it
+    only, all below ``cu_seq_lens_k[-1]``, which transformers wrote for this step."""
     kwargs["read_index"] = [io.read_index_storage[g] for g in range(len(kwargs["read_index"]))]
     return kwargs
 

@@ -37,6 +37,7 @@ import contextlib
 import copy
 import logging
 import math
+import threading
 import time
 import warnings
 from dataclasses import dataclass
@@ -281,29 +282,43 @@ def _warmup_step(bp, model, n: int, query_length: int, past: int, fast: bool) ->
             cache.free_blocks(fs.state.request_id)
 
 
+_KEPT = threading.Lock()  # guards _kept_depth and the saved functions
+_kept_depth = 0
+_kept_saved: dict = {}
+
+
 @contextlib.contextmanager
 def _cache_kept_between_captures(device):
     """Within: each CUDA graph capture leaves the caching allocators' cached memory as it is.
     ``torch.cuda.graph`` empties the device and pinned-host caches before every capture, so
-    the eager run before the next capture allocates all its memory from the driver again; over
-    a warm-up of a hundred graphs that is most of its time. The caches are emptied once here,
-    before the first capture (vLLM's piecewise graph backend does the same: only its first
-    capture collects garbage and empties the cache). No-op off CUDA."""
+    the eager run before the next capture allocates all its memory from the driver again (on
+    the H200 12-14% of a SmolLM2 warm-up: bench/NOTES.md, 2026-12-05). The caches are emptied
+    once here, before the first capture (vLLM's piecewise graph backend does the same: only
+    its first capture collects garbage and empties the cache). The two functions are the
+    process's: while any warm-up is within (nested or in another thread: counted), a call to
+    them from elsewhere does nothing either; the last one out restores them. No-op off CUDA."""
+    global _kept_depth
     if device.type != "cuda":
         yield
         return
-    torch.cuda.empty_cache()
-    saved = {name: getattr(mod, name) for mod, name in
-             ((torch.cuda, "empty_cache"), (torch._C, "_host_emptyCache")) if hasattr(mod, name)}
+    with _KEPT:
+        if _kept_depth == 0:
+            torch.cuda.empty_cache()
+            _kept_saved.update({(mod, name): getattr(mod, name) for mod, name in
+                                ((torch.cuda, "empty_cache"), (torch._C, "_host_emptyCache"))
+                                if hasattr(mod, name)})
+            for mod, name in _kept_saved:
+                setattr(mod, name, lambda: None)
+        _kept_depth += 1
     try:
-        torch.cuda.empty_cache = lambda: None
-        if "_host_emptyCache" in saved:
-            torch._C._host_emptyCache = lambda: None
         yield
     finally:
-        torch.cuda.empty_cache = saved["empty_cache"]
-        if "_host_emptyCache" in saved:
-            torch._C._host_emptyCache = saved["_host_emptyCache"]
+        with _KEPT:
+            _kept_depth -= 1
+            if _kept_depth == 0:
+                for (mod, name), fn in _kept_saved.items():
+                    setattr(mod, name, fn)
+                _kept_saved.clear()
 
 
 def _warm_up_zos(bp, model) -> dict[str, WarmupKind]:

@@ -97,7 +97,7 @@ class ZosDecodeRows:
             max_pos = getattr(config, "max_position_embeddings", None) or tfi.max_tokens_read(cache)
             w = min(-(-max_pos // bs), tfi.num_blocks(cache))
         self.cache, self.options, self.tfi = cache, options, tfi
-        self.block_size, self.tables = bs, tfi.block_tables(cache)
+        self.block_size = bs
         self.id_scale = tfi.block_id_scale(cache)
         self.buffers = DecodeBuffers(max_requests, w, bs, device=device,
                                      padding=tfi.padding_profile(cache))
@@ -160,7 +160,7 @@ class ZosDecodeRows:
             return None
         bs = self.block_size
         max_pos = self.buffers.max_num_blocks_per_req * bs
-        tables = self.tables
+        tables = self.tfi.block_tables(self.cache)  # looked up each step: never a stale dict
         prev_get = self.prev.get
         ids, rows, carry = [], {}, []
         new_rows, new_tokens, new_positions, indptr, flat = [], [], [], [0], []

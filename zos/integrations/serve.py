@@ -88,8 +88,10 @@ def start_manager(model_manager, chat_handler, generation_state) -> None:
 
 def install(options=None) -> None:
     """Make every continuous-batching manager that transformers' server creates from now on
-    serve a zos-enabled model (once per process; later calls change nothing). ``options``: a
-    :class:`~zos.integrations.transformers.ZosOptions` (defaults when None).
+    serve a zos-enabled model (5.17: once per process, later calls change nothing; 5.25: the
+    latest call's options go to the models loaded after it). ``options``: a
+    :class:`~zos.integrations.transformers.ZosOptions` (defaults when None; on 5.25 a copy
+    reaches the model's process, so a ``timings`` list stays empty in the server's).
 
     On transformers 5.25 the server loads, warms up and starts the model's manager in a process
     of its own before ``/health`` answers: :mod:`zos.integrations.serve_525`.

@@ -127,25 +127,30 @@ class ZosOptions:
 
 def zos_paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                         **kwargs):
-    """zos's attention dispatcher, registered as ``"paged|sdpa"`` and ``"paged|zos"``
-    (transformers' ``AttentionInterface`` signature). Three cases:
+    """zos's attention dispatcher, registered as ``"paged|sdpa"`` and ``"paged|zos"`` in
+    transformers 5.17, as ``"zos"`` in 5.25 (transformers' ``AttentionInterface`` signature;
+    the release's names and cache layout: :mod:`zos.integrations.hf_internals`). The paged
+    cache comes as ``cache`` (5.17) or ``zos_cache`` (5.25, where ``cache`` would make the model
+    update it itself); each layer's K and V are read as ``[pages, page_size, num_kv_heads,
+    head_dim]`` page views of it, no copy
+    (:meth:`~zos.integrations.hf_internals.TF517.layer_pages`).
+    Three cases:
 
     * a ``zos_metadata`` kwarg (a decode step built by zos): writes this step's K/V
-      (``key``/``value``: ``[1, num_kv_heads, T, head_dim]``) into the layer's cache tensors of
-      ``cache`` (a ``PagedAttentionCache``: ``key_cache[j]`` ``[(num_blocks + 2) * block_size,
-      num_kv_heads, head_dim]``) at ``slot_mapping`` (int64 [T]; dummy rows: the write-trash
-      slot), in place, then returns the paged decode attention of ``query`` (``[1, num_heads,
-      T, head_dim]``) over ``block_table`` / ``seq_lens``;
-    * no mask (``"paged|zos"``: transformers builds none for that name), a prefill or mixed step
-      of continuous batching: writes K/V at transformers' ``write_index`` as its
-      ``cache.update`` does, then :func:`zos.varlen_attention.varlen_attention` over
-      ``cu_seq_lens_q`` / ``cu_seq_lens_k``, keys read in place through transformers'
-      ``read_index`` (its ``write_index`` when the step reads no past: every request a first
-      chunk). transformers' ``paged|sdpa`` instead gathers every key of the batch, repeats KV
-      heads and runs dense attention under a ``[T, all keys]`` mask it fills and copies each
-      step;
-    * otherwise (a mask: a model on transformers' ``paged|sdpa``; no paged cache):
-      transformers' ``paged|sdpa``, unchanged (its mask, its error without a paged cache).
+      (``key``/``value``: ``[1, num_kv_heads, T, head_dim]``) into the layer's pages at
+      ``slot_mapping`` (int64 [T]; dummy rows: the write-trash slot), in place, then returns
+      the paged decode attention of ``query`` (``[1, num_heads, T, head_dim]``) over
+      ``block_table`` / ``seq_lens``;
+    * no mask (zos's name: transformers builds none for it), a prefill or mixed step of
+      continuous batching: writes K/V at transformers' ``write_index`` as its ``cache.update``
+      does, then :func:`zos.varlen_attention.varlen_attention` over ``cu_seq_lens_q`` /
+      ``cu_seq_lens_k`` (5.25: the full-attention entry of its dict), keys read in place
+      through transformers' ``read_index`` (its ``write_index`` when the step reads no past:
+      every request a first chunk). transformers' own CB sdpa instead gathers every key of the
+      batch, repeats KV heads and runs dense attention under a ``[T, all keys]`` mask it fills
+      and copies each step;
+    * otherwise (a mask: a model on 5.17's ``paged|sdpa``; no paged cache): transformers'
+      sdpa attention for that case, unchanged.
 
     Returns ``([1, T, num_heads, head_dim], None)``. ``dropout`` is not applied (inference:
     transformers passes 0 for a model in eval mode).
@@ -251,9 +256,10 @@ def enable_zos(model, options: ZosOptions | None = None) -> bool:
 def unsupported(model) -> str | None:
     """Why zos cannot serve ``model``'s decode steps (one line), or None.
 
-    zos decodes and prefills with full attention over transformers' paged cache: other
-    attention implementations (``eager``, flash) and
-    models with sliding-window layers (e.g. Gemma 3's layout) keep transformers' path."""
+    zos decodes and prefills with full attention over transformers' paged cache of K and V:
+    other attention implementations (``eager``, flash), models with sliding-window layers (e.g.
+    Gemma 3's layout) and models whose cache holds compressed latents (MLA: a config with
+    ``kv_lora_rank``, e.g. DeepSeek-V3's) keep transformers' path."""
     impl, accepted = model.config._attn_implementation, internals().accepted_attn
     if impl not in accepted:
         return f"attn_implementation {impl!r} is not one of {accepted}"
@@ -265,6 +271,8 @@ def unsupported(model) -> str | None:
         sliding = any(t != "full_attention" for t in layer_types)
     if sliding:
         return "the model has sliding-window layers (zos serves full attention only)"
+    if getattr(text, "kv_lora_rank", None) is not None:  # transformers' MLA cache layout
+        return "the model caches compressed latents (MLA), not K and V per head"
     return None
 
 
