@@ -246,6 +246,15 @@ def test_errors(monkeypatch):
     with pytest.raises(RuntimeError, match=rf"found 5.26.0: {module}.{attr} is missing"):
         enable_zos(model)
     monkeypatch.undo()
+    # a patch release of a tested line that lacks an internal both lines have: named
+    from transformers.generation.continuous_batching import scheduler
+
+    monkeypatch.setattr(sys.modules["transformers"], "__version__", f"{line}.99")
+    monkeypatch.delattr(scheduler.Scheduler, "finish_request")
+    with pytest.raises(RuntimeError, match=rf"transformers {line}.99 lacks .*scheduler"
+                                           rf".Scheduler.finish_request, an internal"):
+        enable_zos(model)
+    monkeypatch.undo()
     with pytest.raises(ValueError, match="bucket_policy must be None or one of"):
         enable_zos(model, ZosOptions(bucket_policy="pow2"))
 

@@ -11,7 +11,8 @@ cache out of band, as ``zos_cache``, so that it does not), dropped the ``paged|`
 attention names, renamed ``max_seqlen_q/k`` to ``max_length_q/k`` and keeps ``cu_seq_lens_k``
 a dict by layer type. The rest of what zos uses (the IO methods it overrides, the model
 runner's padding and graph store, the scheduler's queues, the manager's hooks) is the same in
-both; the integration modules use it directly.
+both: :data:`SHARED` names it, the integration modules use it directly, and a release that
+lacks any of it is refused as one that lacks an adapter's piece.
 
 :func:`internals` returns the adapter of the installed transformers, or raises one line naming
 the tested releases and, for another release, the first internal it lacks.
@@ -26,6 +27,36 @@ from zos.buffers import PaddingProfile
 
 TESTED = ("5.17.0", "5.25.0")
 _CB = "transformers.generation.continuous_batching"
+
+#: the internals zos uses the same way on both lines, by the integration module that uses them:
+#: zos overrides or wraps these methods, or calls them (checked with each line's own)
+SHARED = (
+    # hf_ios: the IO classes zos's IOs subclass, and the methods they override
+    (f"{_CB}.input_outputs", "ContinuousBatchingIOs.prepare_batch_tensors"),
+    (f"{_CB}.input_outputs", "ContinuousBatchingIOs.get_model_kwargs"),
+    (f"{_CB}.input_outputs", "ContinuousBatchingIOs.carry_over_tokens"),
+    (f"{_CB}.input_outputs", "ContinuousBatchingIOs._get_graph_key"),
+    (f"{_CB}.input_outputs", "ContinuousBatchingAsyncIOs.get_cb_kwargs"),
+    (f"{_CB}.input_outputs", "ContinuousBatchingAsyncIOs.retrieve_device_outputs"),
+    (f"{_CB}.input_outputs", "ContinuousBatchingAsyncIOs.swap_io_pairs"),
+    # hf_manager: the manager's methods zos wraps; the runner's padding and step it calls
+    (f"{_CB}.continuous_api", "ContinuousBatchingManager._create_batch_processor"),
+    (f"{_CB}.continuous_api", "ContinuousBatchingManager.switch_to_cb_friendly_attn"),
+    (f"{_CB}.continuous_api", "ContinuousBatchingManager.warmup"),
+    (f"{_CB}.continuous_api", "ContinuousBatchingManager.start"),
+    (f"{_CB}.continuous_api", "ContinuousBatchingManager.add_request"),
+    (f"{_CB}.model_runner", "ModelRunner.maybe_pad_inputs"),
+    (f"{_CB}.model_runner", "ModelRunner.compute_batch"),
+    # hf_capacity, hf_manager: the batch processor's and scheduler's methods zos wraps or calls
+    (f"{_CB}.continuous_api", "ContinuousBatchProcessor.prepare_next_batch"),
+    (f"{_CB}.continuous_api", "ContinuousBatchProcessor._update_tp_group_state"),
+    (f"{_CB}.continuous_api", "ContinuousBatchProcessor._handle_request_error"),
+    (f"{_CB}.scheduler", "Scheduler.add_waiting_request"),
+    (f"{_CB}.scheduler", "Scheduler.clear_cancelled_requests"),
+    (f"{_CB}.scheduler", "Scheduler.finish_request"),
+    (f"{_CB}.offloading_manager", "OffloadingManager.free_request_cpu_cache"),
+    (f"{_CB}.requests", "RequestStatus.FINISHED"),
+)
 
 
 class TF517:
@@ -331,8 +362,9 @@ _ADAPTERS: dict = {}
 
 
 def _missing(adapter_cls) -> str | None:
-    """The first of ``adapter_cls.REQUIRED`` the installed transformers lacks, or None."""
-    for module, attr in adapter_cls.REQUIRED:
+    """The first of ``adapter_cls.REQUIRED`` and :data:`SHARED` the installed transformers
+    lacks, or None."""
+    for module, attr in (*adapter_cls.REQUIRED, *SHARED):
         try:
             obj = importlib.import_module(module)
             for part in attr.split("."):
