@@ -1,8 +1,8 @@
 """transformers' OpenAI-compatible server under load, with and without zos.
 
-Each server runs as its own process on a local model directory (transformers 5.17.0, bf16,
-``--attn-implementation sdpa``, one GPU) and is driven by client processes over HTTP
-(``/v1/chat/completions``, streaming, httpx), one load level after another:
+Each server runs as its own process on a local model directory (the installed transformers,
+5.17 or 5.25; bf16, ``--attn-implementation sdpa``, one GPU) and is driven by client processes
+over HTTP (``/v1/chat/completions``, streaming, httpx), one load level after another:
 
 * a level is C concurrent streams (``--streams``, default 16, 64, 256), each a client that
   sends one request after another (a closed loop, as a chat user waits for each answer): each
