@@ -4,8 +4,8 @@
 # A device call runs at most 10 minutes: the suite (one pytest process, about 7 minutes on the
 # H200) takes one (SANITIZE=0 BENCH=0), the sanitizers another (SUITE=0 BENCH=0), the
 # benchmarks a third (SUITE=0 SANITIZE=0). TF525_WHEELS=DIR adds the transformers tests under
-# transformers 5.25 (its wheels and those it needs beside the machine's packages in DIR;
-# TF525_TESTS narrows them).
+# transformers 5.25 (its wheels and those it needs beside the machine's packages in DIR, from
+# bench/tf525_wheels.sh; TF525_TESTS narrows them).
 # Writes under $OUT (default ./gpu_check_out): summary.txt (date and the suite's last line),
 # logs.tgz (build, tests, memcheck, racecheck, prep, breakdown, e2e, guard logs) and the JSONs
 # of bench_prep, host_breakdown, bench_e2e and step_guard (FAIL where the own engine's step is
