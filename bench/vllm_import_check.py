@@ -10,8 +10,6 @@ import os
 import sys
 import traceback
 
-os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
-
 # Third-party packages vLLM imports on the way (carried as wheels or on the GPU machine already).
 DEPS = ["torch", "triton", "transformers", "numba", "pydantic", "fastapi", "starlette", "uvicorn",
         "msgspec", "zmq", "cbor2", "pybase64", "cachetools", "blake3", "openai", "openai_harmony",
@@ -36,33 +34,39 @@ VLLM = ["vllm", "vllm.entrypoints.llm", "vllm.v1.engine.llm_engine", "vllm.v1.en
         # CUDA-only: these need a GPU machine's libraries (libcuda.so.1).
         "vllm.platforms.cuda", "vllm._C_stable_libtorch", "vllm.vllm_flash_attn._vllm_fa3_C"]
 
-missing, failed = set(), []
-for name in DEPS + VLLM:
+def main() -> int:
+    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    missing, failed = set(), []
+    for name in DEPS + VLLM:
+        try:
+            mod = importlib.import_module(name)
+            ver = getattr(mod, "__version__", "")
+            print(f"ok    {name} {ver if isinstance(ver, str) else ''}")
+        except ModuleNotFoundError as e:
+            missing.add(e.name)
+            failed.append(name)
+            print(f"FAIL  {name}: {e}")
+        except Exception as e:  # CUDA libraries, version checks, ...
+            failed.append(name)
+            last = traceback.extract_tb(e.__traceback__)[-1]
+            print(f"FAIL  {name}: {type(e).__name__}: {str(e)[:300]} [{last.filename}:{last.lineno}]")
+
+    if "vllm.vllm_flash_attn._vllm_fa3_C" not in failed:
+        from vllm.vllm_flash_attn import flash_attn_interface as fa
+        print("FA3 available:", fa.FA3_AVAILABLE, fa.FA3_UNAVAILABLE_REASON or "")
     try:
-        mod = importlib.import_module(name)
-        ver = getattr(mod, "__version__", "")
-        print(f"ok    {name} {ver if isinstance(ver, str) else ''}")
-    except ModuleNotFoundError as e:
-        missing.add(e.name)
-        failed.append(name)
-        print(f"FAIL  {name}: {e}")
-    except Exception as e:  # CUDA libraries, version checks, ...
-        failed.append(name)
-        last = traceback.extract_tb(e.__traceback__)[-1]
-        print(f"FAIL  {name}: {type(e).__name__}: {str(e)[:300]} [{last.filename}:{last.lineno}]")
+        from vllm.entrypoints.openai.cli_args import make_arg_parser
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+        args = make_arg_parser(FlexibleArgumentParser()).parse_args(["--model", "m", "--port", "8000"])
+        print("ok    serve arguments parse: model", args.model)
+    except Exception as e:
+        failed.append("serve-args")
+        print(f"FAIL  serve arguments: {type(e).__name__}: {e}")
 
-if "vllm.vllm_flash_attn._vllm_fa3_C" not in failed:
-    from vllm.vllm_flash_attn import flash_attn_interface as fa
-    print("FA3 available:", fa.FA3_AVAILABLE, fa.FA3_UNAVAILABLE_REASON or "")
-try:
-    from vllm.entrypoints.openai.cli_args import make_arg_parser
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-    args = make_arg_parser(FlexibleArgumentParser()).parse_args(["--model", "m", "--port", "8000"])
-    print("ok    serve arguments parse: model", args.model)
-except Exception as e:
-    failed.append("serve-args")
-    print(f"FAIL  serve arguments: {type(e).__name__}: {e}")
+    print("missing modules:", " ".join(sorted(m for m in missing if m)) or "none")
+    print(f"{len(failed)} of {len(DEPS) + len(VLLM)} imports failed: {' '.join(failed) or '-'}")
+    return 1 if failed else 0
 
-print("missing modules:", " ".join(sorted(m for m in missing if m)) or "none")
-print(f"{len(failed)} of {len(DEPS) + len(VLLM)} imports failed: {' '.join(failed) or '-'}")
-sys.exit(1 if failed else 0)
+
+if __name__ == "__main__":
+    sys.exit(main())
