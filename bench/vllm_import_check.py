@@ -49,7 +49,8 @@ def main() -> int:
         except Exception as e:  # CUDA libraries, version checks, ...
             failed.append(name)
             last = traceback.extract_tb(e.__traceback__)[-1]
-            print(f"FAIL  {name}: {type(e).__name__}: {str(e)[:300]} [{last.filename}:{last.lineno}]")
+            where = f"{last.filename}:{last.lineno}"
+            print(f"FAIL  {name}: {type(e).__name__}: {str(e)[:300]} [{where}]")
 
     if "vllm.vllm_flash_attn._vllm_fa3_C" not in failed:
         from vllm.vllm_flash_attn import flash_attn_interface as fa
@@ -57,7 +58,8 @@ def main() -> int:
     try:
         from vllm.entrypoints.openai.cli_args import make_arg_parser
         from vllm.utils.argparse_utils import FlexibleArgumentParser
-        args = make_arg_parser(FlexibleArgumentParser()).parse_args(["--model", "m", "--port", "8000"])
+        parser = make_arg_parser(FlexibleArgumentParser())
+        args = parser.parse_args(["--model", "m", "--port", "8000"])
         print("ok    serve arguments parse: model", args.model)
     except Exception as e:
         failed.append("serve-args")
