@@ -447,6 +447,44 @@ def test_fastest_mode_leaves_graphs_off_for_processors_not_marked_ready():
         assert _fastest_mode(keep, model, ready).use_cuda_graph is False
 
 
+def test_query_padding_interval_is_set_only_where_left_open_and_graphed():
+    """ZosOptions.q_padding_interval_size reaches a manager's config where the config leaves the
+    interval to transformers (0) and runs graphs on some path: without graphs transformers
+    would take the interval as a request for them; an explicit interval is the user's. The
+    caller's config is never changed."""
+    from zos.integrations.hf_manager import with_query_padding
+
+    opts = ZosOptions(q_padding_interval_size=128)
+    for graphs in (True, (False, True), (True, False)):
+        cfg = ContinuousBatchingConfig(use_cuda_graph=graphs)
+        got = with_query_padding(cfg, opts)
+        assert got.q_padding_interval_size == 128 and got.use_cuda_graph == graphs
+        assert cfg.q_padding_interval_size == 0
+    for cfg in (ContinuousBatchingConfig(), ContinuousBatchingConfig(use_cuda_graph=False),
+                ContinuousBatchingConfig(use_cuda_graph=(False, False)),
+                ContinuousBatchingConfig(use_cuda_graph=True, q_padding_interval_size=64)):
+        assert with_query_padding(cfg, opts) is cfg
+    graphed = ContinuousBatchingConfig(use_cuda_graph=True)
+    assert with_query_padding(graphed, ZosOptions()) is graphed
+    # through the manager transformers creates (on a CPU it then turns graphs off itself)
+    model = tiny_llama(0)
+    enable_zos(model, opts)
+    manager = model.init_continuous_batching(
+        generation_config=GenerationConfig(max_new_tokens=2, eos_token_id=-1),
+        continuous_batching_config=ContinuousBatchingConfig(
+            use_cuda_graph=True, num_blocks=16, block_size=16, max_batch_tokens=256))
+    assert manager.continuous_batching_config.q_padding_interval_size == 128
+
+
+@pytest.mark.parametrize("value, error", [(0, ValueError), (-64, ValueError),
+                                          (128.0, TypeError), ("128", TypeError)])
+def test_bad_query_padding_interval_is_refused(value, error):
+    model = tiny_llama(0)
+    with pytest.raises(error, match="q_padding_interval_size"):
+        enable_zos(model, ZosOptions(q_padding_interval_size=value))
+    assert getattr(model, "_zos_options", None) is None
+
+
 def test_unsupported_attention_keeps_transformers_path():
     """paged|eager (and any attention zos does not serve) is not refused: enable_zos warns in
     one line, leaves the model as it is, and generate_batch gives transformers' tokens."""

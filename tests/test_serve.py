@@ -275,3 +275,19 @@ def test_zos_serve_refuses_what_is_not_a_local_model_directory(tmp_path):
     (tmp_path / "x").write_text("")
     assert main(["export-smollm2", str(tmp_path)]) == 2  # never writes over a directory
     assert (tmp_path / "x").read_text() == "" and not (tmp_path / "config.json").exists()
+
+
+def test_zos_serve_pads_prefill_queries_to_its_interval(monkeypatch):
+    """``zos serve``'s managers get :data:`SERVE_Q_PADDING_INTERVAL` (half the prefill graphs
+    of transformers' 64 to capture before the server is ready) unless the caller passes its own
+    options."""
+    from zos.integrations import serve
+    from zos.integrations.hf_internals import internals
+    from zos.integrations.transformers import ZosOptions
+
+    given = []
+    monkeypatch.setattr(type(internals()), "install_server", lambda self, o: given.append(o))
+    serve.install()
+    serve.install(ZosOptions(bucket_policy="pow2"))
+    assert given[0].q_padding_interval_size == serve.SERVE_Q_PADDING_INTERVAL == 128
+    assert given[1].q_padding_interval_size is None and given[1].bucket_policy == "pow2"

@@ -114,6 +114,21 @@ def fastest_mode(cb_config, model, generation_config=None):
     return cb_config
 
 
+def with_query_padding(cb_config, options):
+    """``cb_config`` with ``options.q_padding_interval_size`` (a
+    :class:`~zos.integrations.transformers.ZosOptions`) where it leaves the interval to
+    transformers (0) and runs CUDA graphs on some path; otherwise ``cb_config`` itself (without
+    graphs transformers would take a nonzero interval as a request for them). The caller's
+    config is not changed."""
+    graphs = cb_config.use_cuda_graph
+    if (options.q_padding_interval_size is None or cb_config.q_padding_interval_size
+            or not (any(graphs) if isinstance(graphs, (tuple, list)) else graphs)):
+        return cb_config
+    cb_config = copy.deepcopy(cb_config)
+    cb_config.q_padding_interval_size = options.q_padding_interval_size
+    return cb_config
+
+
 @torch.no_grad()
 def clear_kv_cache(cache) -> None:
     """Zero every layer's K and V tensor of a new ``PagedAttentionCache``, in place, and wait
@@ -418,8 +433,9 @@ def install_manager_hook() -> None:
     def __init__(self, model, generation_config, continuous_batching_config,
                  workload_hints=None):
         if zos_on(model):
-            continuous_batching_config = fastest_mode(continuous_batching_config, model,
-                                                      generation_config)
+            continuous_batching_config = with_query_padding(
+                fastest_mode(continuous_batching_config, model, generation_config),
+                model._zos_options)
         original_init(self, model, generation_config, continuous_batching_config,
                       workload_hints)
 

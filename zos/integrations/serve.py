@@ -46,6 +46,12 @@ SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "typical_p", "epsil
 PROCESSOR_FIELDS = ("do_sample", "repetition_penalty", "sequence_bias", "no_repeat_ngram_size",
                     "suppress_tokens", "renormalize_logits", "forced_eos_token_id")
 
+# The query-padding interval (tokens) of the server's manager, where its ``--cb-*`` options
+# leave it to transformers (64): the server is ready once every prefill graph is captured, one
+# per padded size up to --cb-max-batch-tokens; 128 halves them (bench/NOTES.md, 2026-12-05:
+# the warm-up and the padding it costs)
+SERVE_Q_PADDING_INTERVAL = 128
+
 
 def sampling_settings(gen_config) -> dict:
     """What of ``gen_config`` (a ``GenerationConfig``) decides the logits processors and the
@@ -90,8 +96,9 @@ def install(options=None) -> None:
     """Make every continuous-batching manager that transformers' server creates from now on
     serve a zos-enabled model (5.17: once per process, later calls change nothing; 5.25: the
     latest call's options go to the models loaded after it). ``options``: a
-    :class:`~zos.integrations.transformers.ZosOptions` (defaults when None; on 5.25 a copy
-    reaches the model's process, so a ``timings`` list stays empty in the server's).
+    :class:`~zos.integrations.transformers.ZosOptions` (when None: the defaults with
+    ``q_padding_interval_size`` :data:`SERVE_Q_PADDING_INTERVAL`; on 5.25 a copy reaches the
+    model's process, so a ``timings`` list stays empty in the server's).
 
     On transformers 5.25 the server loads, warms up and starts the model's manager in a process
     of its own before ``/health`` answers: :mod:`zos.integrations.serve_525`.
@@ -101,7 +108,10 @@ def install(options=None) -> None:
             (:func:`~zos.integrations.hf_internals.internals`).
     """
     from zos.integrations.hf_internals import internals
+    from zos.integrations.transformers import ZosOptions
 
+    if options is None:
+        options = ZosOptions(q_padding_interval_size=SERVE_Q_PADDING_INTERVAL)
     internals().install_server(options)
 
 

@@ -75,6 +75,7 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass
 
+from zos._checks import check_int
 from zos.attention import paged_decode_attention_kv
 from zos.buckets import POLICIES
 from zos.buffers import StepMetadata
@@ -117,12 +118,20 @@ class ZosOptions:
             everything else unchanged (zos's attention, graphs and buckets): for benchmarks
             that tell what device-side metadata buys from what zos's attention and whole-step
             graph buy.
+        q_padding_interval_size: tokens; transformers' ``ContinuousBatchingConfig`` field of the
+            same name (a prefill or mixed step's query is padded to a multiple of it, capped at
+            ``max_batch_tokens``), set for a manager whose config leaves it to transformers (0,
+            which means 64) and runs CUDA graphs. With graphs, the warm-up captures one prefill
+            graph per padded size and IO pair: 128 halves them (16 instead of 32 at 2,048 batch
+            tokens) for up to 64 more padded tokens a step. None (default): transformers'.
+            ``zos serve``: 128 (:data:`zos.integrations.serve.SERVE_Q_PADDING_INTERVAL`).
     """
 
     max_num_blocks_per_req: int | None = None
     timings: list | None = None
     bucket_policy: str | None = "vllm"
     metadata_backend: str = "device"
+    q_padding_interval_size: int | None = None
 
 
 def zos_paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
@@ -219,8 +228,9 @@ def enable_zos(model, options: ZosOptions | None = None) -> bool:
         RuntimeError: transformers is not a tested release (5.17 or 5.25, one line naming what
             is missing); or, on a CPU, triton was imported before zos
             (its interpreter is then off).
-        ValueError: an unknown ``options.bucket_policy`` or ``options.metadata_backend``.
-        TypeError: options is not a ZosOptions.
+        ValueError: an unknown ``options.bucket_policy`` or ``options.metadata_backend``, an
+            ``options.q_padding_interval_size`` below 1.
+        TypeError: options is not a ZosOptions; ``options.q_padding_interval_size`` not an int.
     """
     tf = _transformers()
     options = ZosOptions() if options is None else options
@@ -232,6 +242,8 @@ def enable_zos(model, options: ZosOptions | None = None) -> bool:
     if options.metadata_backend not in METADATA_BACKENDS:
         raise ValueError(f"options.metadata_backend must be one of {METADATA_BACKENDS}, got "
                          f"{options.metadata_backend!r}")
+    if options.q_padding_interval_size is not None:
+        check_int("options.q_padding_interval_size", options.q_padding_interval_size)
     why = unsupported(model)
     if why is not None:
         warnings.warn(f"zos: {why}; this model keeps transformers' own continuous batching",
