@@ -2,7 +2,7 @@
 
 Each server runs as its own process on a local model directory (the installed transformers,
 5.17 or 5.25; bf16, ``--attn-implementation sdpa``, one GPU) and is driven by client processes
-over HTTP (``/v1/chat/completions``, streaming, httpx), one load level after another:
+over HTTP (``/v1/chat/completions``, streaming, httpx or httpx2), one load level after another:
 
 * a level is C concurrent streams (``--streams``, default 16, 64, 256), each a client that
   sends one request after another (a closed loop, as a chat user waits for each answer): each
@@ -37,6 +37,11 @@ Servers (``--servers``):
   attention, one graph per padded query size), asynchronous batching;
 * ``zos_decode_graphs``: the same with graphs on the decode path only (prefill and mixed steps
   eager; zos's default until 2026-12-03), its config set as ``tf_graphs_async`` sets its own.
+
+A server named ``KIND@DIR`` runs with ``DIR`` first on its ``PYTHONPATH``: another transformers
+release installed there with ``pip install --target`` (e.g. 5.25 beside the machine's 5.17), so
+one run compares the servers of both release lines; results name every server
+``KIND@VERSION`` (its transformers release).
 
 Per server and level: tokens/s (:func:`window_tokens_per_s`: completion tokens in the window
 from the last stream's first request to the end of ``--duration`` or the first stream to run
@@ -83,6 +88,7 @@ from pathlib import Path
 SERVERS = ("tf_graphs", "tf_graphs_async", "zos", "zos_decode_graphs")
 ZOS_SERVERS = ("zos", "zos_decode_graphs")
 TF_SERVERS = ("tf_graphs", "tf_graphs_async")
+RATIO = "_over_best_tf"  # key suffix of a zos server's ratios in a level
 TF_MAIN = ("import sys; from transformers.cli.transformers import main; "
            "sys.argv = ['transformers', *sys.argv[1:]]; main()")
 ZOS_MAIN = ("import sys; from zos.integrations.serve import main; "
@@ -169,8 +175,33 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(kind: str, path: str, args, log: Path):
-    """(process, port) of one server, ready to answer."""
+def server_env(site: str | None) -> dict:
+    """The environment of a server process: offline, with ``site`` (a ``--target`` directory of
+    another transformers release, or None) first on its ``PYTHONPATH``."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HUB_DISABLE_UPDATE_CHECK="1",
+               PYTHONUNBUFFERED="1")
+    if site:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [site, env.get("PYTHONPATH")]))
+    return env
+
+
+def parse_server(spec: str) -> tuple[str, str | None, str]:
+    """``KIND`` or ``KIND@DIR`` -> (kind, DIR or None, ``KIND@VERSION``: the transformers
+    release the server runs on). ValueError for an unknown kind or a DIR without
+    transformers."""
+    kind, _, site = spec.partition("@")
+    if kind not in SERVERS:
+        raise ValueError(f"server {spec!r}: kind {kind!r} is not one of {SERVERS}")
+    if site and not (Path(site) / "transformers").is_dir():
+        raise ValueError(f"server {spec!r}: {site!r} holds no transformers package")
+    version = subprocess.run(
+        [sys.executable, "-c", "import transformers; print(transformers.__version__)"],
+        env=server_env(site or None), capture_output=True, text=True, check=True).stdout.strip()
+    return kind, site or None, f"{kind}@{version}"
+
+
+def start_server(kind: str, path: str, args, log: Path, site: str | None = None):
+    """(process, port) of one server, ready to answer; ``site``: :func:`server_env`."""
     port = free_port()
     common = ["--device", args.device, "--dtype", args.dtype, "--attn-implementation", "sdpa",
               "--cb-block-size", str(args.block_size), "--cb-num-blocks", str(args.num_blocks),
@@ -189,9 +220,8 @@ def start_server(kind: str, path: str, args, log: Path):
         cmd = [sys.executable, "-m", "zos.serving.cli", "serve", *tail]
     else:
         cmd = [sys.executable, "-c", CODE[kind], *tail]
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HUB_DISABLE_UPDATE_CHECK="1",
-               PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(cmd, env=server_env(site), stdout=log.open("w"),
+                            stderr=subprocess.STDOUT)
     deadline = time.time() + 300
     while time.time() < deadline:
         if proc.poll() is not None:
@@ -262,7 +292,7 @@ async def _stream(client, url, model, sid, start, items, t0, stop, drain=float("
         if time.perf_counter() >= t0 + stop:
             break
         body = dict(model=model, messages=[{"role": "user", "content": text}], stream=True,
-                    max_tokens=n, temperature=0,
+                    max_tokens=n, temperature=0, stream_options=dict(include_usage=True),
                     generation_config=json.dumps(dict(max_new_tokens=n, eos_token_id=-1,
                                                       do_sample=False)))
         rec = dict(stream=sid, sent=time.perf_counter(), first=None, last=None, wanted=n,
@@ -312,8 +342,13 @@ async def _request(client, url, body, rec, close_after):
 
 def _client_process(url, model, streams, t0_wall, stop, drain=float("inf")):
     """One client process: its share of the streams, all concurrently; records with times
-    shifted to wall-clock seconds (comparable across processes)."""
-    import httpx
+    shifted to wall-clock seconds (comparable across processes). The HTTP client is the one
+    transformers' hub client brings: httpx (huggingface-hub 1.x, transformers 5.17) or its
+    fork httpx2 (huggingface-hub 2.x, transformers 5.25), the same API."""
+    try:
+        import httpx
+    except ImportError:
+        import httpx2 as httpx
 
     async def run():
         limits = httpx.Limits(max_connections=len(streams) + 4)
@@ -451,6 +486,45 @@ def over_best(ours: dict, peers: list[dict]) -> dict:
                 tpot_p50=ratio(lambda s: s["tpot_ms"]["p50"], min))
 
 
+def add_ratios(row: dict) -> None:
+    """Per level of one model's ``row``, each zos server's :func:`over_best` the best
+    transformers server of the level, whatever release line each runs on (in place)."""
+    for lv in row["levels"].values():
+        figs = {k: v for k, v in lv.items() if not k.endswith(RATIO)}
+        tf = [v for k, v in figs.items() if k.partition("@")[0] in TF_SERVERS]
+        for k, v in figs.items():
+            if k.partition("@")[0] in ZOS_SERVERS and tf:
+                lv[k + RATIO] = over_best(v, tf)
+
+
+def merge(paths: list[str], out: Path) -> Path:
+    """One result file from runs of the same GPU and load (e.g. one device call per release
+    line): each model's levels take every run's servers, ratios recomputed over all of them.
+    ValueError when the runs' GPUs or levels differ."""
+    docs = [json.loads(Path(p).read_text()) for p in paths]
+    first = docs[0]
+    rows: dict[str, dict] = {}
+    for doc in docs:
+        if doc["gpu"] != first["gpu"]:
+            raise ValueError(f"--merge: {doc['gpu']!r} and {first['gpu']!r} are not one GPU")
+        for row in doc["results"]:
+            into = rows.setdefault(row["model"], dict(model=row["model"], levels={}))
+            if into["levels"] and set(into["levels"]) != set(row["levels"]):
+                raise ValueError(f"--merge: model {row['model']}: levels "
+                                 f"{sorted(row['levels'])} against {sorted(into['levels'])}")
+            for c, lv in row["levels"].items():
+                into["levels"].setdefault(c, {}).update(
+                    {k: v for k, v in lv.items() if not k.endswith(RATIO)})
+    for row in rows.values():
+        add_ratios(row)
+    doc = dict(first, date=max(d["date"] for d in docs), merged_from=[
+        dict(date=d["date"], transformers=d["transformers"], args=d["args"]) for d in docs],
+        results=list(rows.values()))
+    path = out / f"serve_{first['gpu'].replace(' ', '_')}_{doc['date']}.json"
+    path.write_text(json.dumps(doc, indent=1))
+    return path
+
+
 def add_server_args(ap, max_output: int) -> None:
     """The options of the servers, their model and their requests' trace, shared with
     ``serve_ready.py`` (``max_output``: the default of ``--max-output``)."""
@@ -473,8 +547,9 @@ def add_server_args(ap, max_output: int) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="smollm2,llama1b")
-    ap.add_argument("--servers", help=f"comma-separated, of {SERVERS} (default: all; "
-                    f"--smoke: tf_graphs,zos, graphs need CUDA)")
+    ap.add_argument("--servers", help=f"comma-separated, of {SERVERS}, each optionally "
+                    "@DIR (another transformers release, pip install --target DIR) (default: "
+                    "all; --smoke: tf_graphs,zos, graphs need CUDA)")
     ap.add_argument("--streams", default="16,64,256", help="concurrent streams per level")
     ap.add_argument("--requests", type=int, default=4096,
                     help="distinct requests per level, requests // streams (at least one) "
@@ -492,10 +567,19 @@ def main(argv=None) -> int:
                     help="open loop: seconds after the last arrival before the requests still "
                     "open are given up (counted unfinished)")
     add_server_args(ap, max_output=128)
+    ap.add_argument("--merge", nargs="+", metavar="JSON", help="write one result file from "
+                    "these runs' files (same GPU and levels) under --out and exit; runs nothing")
     ap.add_argument("--profile", action="store_true", help="servers under bench/serve_profile.py "
                     "(stack samples and step log in serve_<model>_<server>.profile.json); "
                     "figures of such a run are not the servers' speed")
     args = ap.parse_args(argv)
+    if args.merge:
+        try:
+            print(f"wrote {merge(args.merge, Path(args.out))}")
+        except ValueError as e:
+            print(e, file=sys.stderr)
+            return 2
+        return 0
     if args.smoke:
         args.models, args.streams, args.device, args.dtype = "tiny", "2,4", "cpu", "float32"
         args.num_blocks, args.max_batch_tokens, args.max_output = 256, 256, 8
@@ -509,7 +593,11 @@ def main(argv=None) -> int:
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print("bench_serve.py needs CUDA (--smoke runs a tiny model on the CPU)", file=sys.stderr)
         return 2
-    servers = args.servers.split(",")
+    try:
+        servers = [parse_server(spec) for spec in args.servers.split(",")]
+    except ValueError as e:
+        print(e, file=sys.stderr)
+        return 2
     levels = ([float(x) for x in args.rates.split(",")] if args.rates
               else [int(x) for x in args.streams.split(",")])
     root = Path(args.work_dir or tempfile.mkdtemp(prefix="zos-serve-"))
@@ -531,8 +619,8 @@ def main(argv=None) -> int:
         loads = {c: open_workload(tok, c, args, seed=round(10 * c)) if args.rates
                  else workload(tok, c, args.requests, args, seed=c) for c in levels}
         row = dict(model=name, levels={c: {} for c in levels})
-        for kind in servers:
-            proc, port = start_server(kind, mdir, args, out / f"serve_{name}_{kind}.log")
+        for kind, site, label in servers:
+            proc, port = start_server(kind, mdir, args, out / f"serve_{name}_{label}.log", site)
             try:
                 top = max(levels) if not args.rates else 64
                 warm = workload(tok, top, top, args, seed=7 + top)
@@ -549,8 +637,8 @@ def main(argv=None) -> int:
                         end, exhausted = window_end(recs, [len(it) for _, it in loads[c]],
                                                     t0 + args.ramp + args.duration)
                         s = summarize(recs, end, exhausted)
-                    row["levels"][c][kind] = s
-                    print(f"{name} {kind} {level_name(c, args)}: {_rate(s['tokens_per_s'])} "
+                    row["levels"][c][label] = s
+                    print(f"{name} {label} {level_name(c, args)}: {_rate(s['tokens_per_s'])} "
                           f"tok/s, TTFT p50 {_ms(s['ttft_ms']['p50'])}, TPOT p50 "
                           f"{_ms(s['tpot_ms']['p50'])}, {s['completed']}/{s['requests']} done, "
                           f"{s['short']} short, {s['closed']} closed, {s['unfinished']} "
@@ -559,11 +647,7 @@ def main(argv=None) -> int:
             finally:
                 stop_server(proc)
             write(results + [row])
-        for lv in row["levels"].values():
-            tf = [lv[k] for k in TF_SERVERS if k in lv]
-            for k in ZOS_SERVERS:
-                if k in lv and tf:
-                    lv[f"{k}_over_best_tf"] = over_best(lv[k], tf)
+        add_ratios(row)
         results.append(row)
         write(results)  # after each model: a run cut short keeps what it measured
     print(f"wrote {path}")

@@ -25,7 +25,7 @@ python3 -m pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>
 
 if [ "${SUITE:-1}" = 1 ]; then
   # ONE process, as a server is one: what one test leaves behind must not break a later one
-  # (2026-12-04 on the H200: 2208 passed, 22 skipped in 417 s; 2026-12-05 on an H100: no
+  # (2026-12-05 on the H200: 2223 passed, 22 skipped in 409 s; 2026-12-05 on an H100: no
   # failure in the first ~1,700 tests, cut at 530 s). Stopped at the limit with SIGINT, pytest
   # still prints its counts, the test it was in and the slowest tests.
   stamp "test suite on CUDA, one process (test_distributed.py needs 2 GPUs: left out)"

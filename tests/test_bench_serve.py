@@ -1,7 +1,9 @@
-"""The server benchmark's window figure (``bench/bench_serve.py``): tokens per second while all C
+"""The server benchmark (``bench/bench_serve.py``): its window figure, tokens per second while all C
 streams are active, against a count of each token's arrival time (tokens spread evenly between
-a request's first and last content chunk, as the benchmark assumes)."""
+a request's first and last content chunk, as the benchmark assumes); the open-loop workload; the
+merge of runs on two transformers release lines."""
 import importlib.util
+import json
 import random
 import types
 from pathlib import Path
@@ -125,3 +127,45 @@ def test_window_counts_what_closed_and_unfinished_requests_received():
     assert got == pytest.approx((5 + 9 + 3) / 4.0)
     assert bench_serve.window_tokens_per_s([], 4.0, 0.0) is None
     assert bench_serve.summarize([], 4.0, 0, start=0.0)["requests"] == 0
+
+
+def _level(tps, tpot):
+    return dict(tokens_per_s=tps, span_tokens_per_s=tps, tpot_ms=dict(p50=tpot))
+
+
+def test_merge_puts_release_lines_in_one_level_and_rates_zos_against_the_best(tmp_path):
+    """Two runs on one GPU (one per transformers release line) merge into one file: each
+    level holds every run's servers, and a zos server's ratios are to the best transformers
+    server of either line (highest tokens/s, lowest median TPOT), old ratios dropped."""
+    def run(name, date, levels):
+        path = tmp_path / name
+        path.write_text(json.dumps(dict(gpu="G", date=date, transformers="x", args={},
+                                        results=[dict(model="m", levels=levels)])))
+        return str(path)
+
+    a = run("a.json", "2026-12-06", {"16.0": {
+        "tf_graphs_async@5.17.0": _level(100.0, 40.0), "zos@5.17.0": _level(300.0, 5.0),
+        "zos@5.17.0_over_best_tf": {"stale": 1}}})
+    b = run("b.json", "2026-12-07", {"16.0": {
+        "tf_graphs@5.25.0": _level(200.0, 20.0), "zos@5.25.0": _level(500.0, 4.0)}})
+    doc = json.loads(bench_serve.merge([a, b], tmp_path).read_text())
+    assert doc["date"] == "2026-12-07" and len(doc["merged_from"]) == 2
+    lv = doc["results"][0]["levels"]["16.0"]
+    assert lv["zos@5.17.0_over_best_tf"]["tokens_per_s"] == pytest.approx(1.5)
+    assert lv["zos@5.25.0_over_best_tf"]["tokens_per_s"] == pytest.approx(2.5)
+    assert lv["zos@5.25.0_over_best_tf"]["tpot_p50"] == pytest.approx(0.2)
+    c = run("c.json", "2026-12-07", {"48.0": {"zos@5.25.0": _level(1.0, 1.0)}})
+    with pytest.raises(ValueError, match="levels"):
+        bench_serve.merge([a, c], tmp_path)
+
+
+def test_server_spec_names_its_release_and_refuses_a_bad_one(tmp_path):
+    """``KIND@DIR`` runs with DIR first on the path; an unknown kind or a DIR without
+    transformers is refused before any server starts."""
+    import transformers
+
+    assert bench_serve.parse_server("zos") == ("zos", None, f"zos@{transformers.__version__}")
+    with pytest.raises(ValueError, match="kind 'vllm'"):
+        bench_serve.parse_server("vllm")
+    with pytest.raises(ValueError, match="no transformers"):
+        bench_serve.parse_server(f"tf_graphs@{tmp_path}")
