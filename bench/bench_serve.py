@@ -35,8 +35,12 @@ Servers (``--servers``):
 * ``zos``: ``zos serve`` with its defaults: transformers' CUDA graphs on both paths, every
   graph captured in the warm-up (zos's decode steps; prefill and mixed steps with zos's varlen
   attention, one graph per padded query size), asynchronous batching;
-* ``zos_decode_graphs``: the same with graphs on the decode path only (prefill and mixed steps
-  eager; zos's default until 2026-12-03), its config set as ``tf_graphs_async`` sets its own.
+* ``zos_mixed``: ``zos serve --zos-mixed-steps``: transformers' own schedule, whose steps mix
+  decoding requests with prefill tokens (zos serve's until 2026-12-06), where ``zos`` runs
+  prefill and decode in separate steps (``zos.integrations.hf_scheduler``);
+* ``zos_decode_graphs``: the same as ``zos`` with graphs on the decode path only (prefill
+  steps eager; zos's default until 2026-12-03), its config set as ``tf_graphs_async`` sets
+  its own.
 
 A server named ``KIND@DIR`` runs with ``DIR`` first on its ``PYTHONPATH``: another transformers
 release installed there with ``pip install --target`` (e.g. 5.25 beside the machine's 5.17), so
@@ -85,8 +89,8 @@ import urllib.request
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-SERVERS = ("tf_graphs", "tf_graphs_async", "zos", "zos_decode_graphs")
-ZOS_SERVERS = ("zos", "zos_decode_graphs")
+SERVERS = ("tf_graphs", "tf_graphs_async", "zos", "zos_mixed", "zos_decode_graphs")
+ZOS_SERVERS = ("zos", "zos_mixed", "zos_decode_graphs")
 TF_SERVERS = ("tf_graphs", "tf_graphs_async")
 RATIO = "_over_best_tf"  # key suffix of a zos server's ratios in a level
 TF_MAIN = ("import sys; from transformers.cli.transformers import main; "
@@ -211,13 +215,14 @@ def start_server(kind: str, path: str, args, log: Path, site: str | None = None)
     tail = [path, *common] if kind in ZOS_SERVERS else [
         "serve", path, "--continuous-batching", *graphs, *common]
     if args.profile:  # the same server under bench/serve_profile.py's sampler and step log
-        if kind == "zos_decode_graphs":
+        if kind in ("zos_decode_graphs", "zos_mixed"):
             raise ValueError("--profile runs tf_graphs, tf_graphs_async and zos only")
         mode = {"zos": "zos", "tf_graphs": "tf", "tf_graphs_async": "tf_async"}[kind]
         cmd = [sys.executable, str(Path(__file__).with_name("serve_profile.py")),
                str(log.with_suffix(".profile.json")), mode, *tail]
-    elif kind == "zos":  # the command a user runs: zos serve
-        cmd = [sys.executable, "-m", "zos.serving.cli", "serve", *tail]
+    elif kind in ("zos", "zos_mixed"):  # the command a user runs: zos serve
+        flag = ["--zos-mixed-steps"] if kind == "zos_mixed" else []
+        cmd = [sys.executable, "-m", "zos.serving.cli", "serve", tail[0], *flag, *tail[1:]]
     else:
         cmd = [sys.executable, "-c", CODE[kind], *tail]
     proc = subprocess.Popen(cmd, env=server_env(site), stdout=log.open("w"),

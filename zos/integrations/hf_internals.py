@@ -54,6 +54,12 @@ SHARED = (
     (f"{_CB}.scheduler", "Scheduler.add_waiting_request"),
     (f"{_CB}.scheduler", "Scheduler.clear_cancelled_requests"),
     (f"{_CB}.scheduler", "Scheduler.finish_request"),
+    # hf_scheduler: what transformers' FIFO scheduler runs, called with other candidates
+    (f"{_CB}.scheduler", "Scheduler._process_candidates"),
+    (f"{_CB}.scheduler", "Scheduler._get_waiting_candidates"),
+    (f"{_CB}.scheduler", "Scheduler._cleanup_waiting_queue"),
+    (f"{_CB}.requests", "RequestStatus.DECODING"),
+    (f"{_CB}.requests", "RequestStatus.PREFILLING"),
     (f"{_CB}.offloading_manager", "OffloadingManager.free_request_cpu_cache"),
     (f"{_CB}.requests", "RequestStatus.FINISHED"),
 )

@@ -48,6 +48,7 @@ from zos.integrations.hf_capacity import fail_unschedulable, refuse_oversized
 from zos.integrations.hf_internals import internals
 from zos.integrations.hf_ios import zos_ios_classes
 from zos.integrations.hf_rows import num_sampled
+from zos.integrations.hf_scheduler import split_steps
 
 log = logging.getLogger("zos")
 
@@ -478,6 +479,13 @@ def install_manager_hook() -> None:
         # offloads and restores must stay ordered with the steps that read their blocks
         bp.offloading_manager._compute_stream = ios.compute_stream
         finish_cancelled(bp.scheduler)
+        if not options.mixed_steps:
+            if cfg.scheduler_type == "fifo":
+                split_steps(bp.scheduler)
+            else:
+                warnings.warn(f"zos: mixed_steps=False applies to transformers' 'fifo' "
+                              f"scheduler; this manager keeps {cfg.scheduler_type!r}",
+                              RuntimeWarning, stacklevel=2)
         refuse_oversized(bp)
         fail_unschedulable(bp)
         return bp

@@ -52,6 +52,11 @@ PROCESSOR_FIELDS = ("do_sample", "repetition_penalty", "sequence_bias", "no_repe
 # the warm-up and the padding it costs)
 SERVE_Q_PADDING_INTERVAL = 128
 
+# zos serve's own flag (taken out before transformers' parser sees the command line): keep
+# transformers' mixed prefill + decode steps instead of zos's separate ones
+# (ZosOptions.mixed_steps, zos.integrations.hf_scheduler)
+MIXED_STEPS_FLAG = "--zos-mixed-steps"
+
 
 def sampling_settings(gen_config) -> dict:
     """What of ``gen_config`` (a ``GenerationConfig``) decides the logits processors and the
@@ -97,7 +102,8 @@ def install(options=None) -> None:
     serve a zos-enabled model (5.17: once per process, later calls change nothing; 5.25: the
     latest call's options go to the models loaded after it). ``options``: a
     :class:`~zos.integrations.transformers.ZosOptions` (when None: the defaults with
-    ``q_padding_interval_size`` :data:`SERVE_Q_PADDING_INTERVAL`; on 5.25 a copy reaches the
+    ``q_padding_interval_size`` :data:`SERVE_Q_PADDING_INTERVAL` and ``mixed_steps=False``:
+    prefill and decode in separate steps; on 5.25 a copy reaches the
     model's process, so a ``timings`` list stays empty in the server's).
 
     On transformers 5.25 the server loads, warms up and starts the model's manager in a process
@@ -111,7 +117,8 @@ def install(options=None) -> None:
     from zos.integrations.transformers import ZosOptions
 
     if options is None:
-        options = ZosOptions(q_padding_interval_size=SERVE_Q_PADDING_INTERVAL)
+        options = ZosOptions(q_padding_interval_size=SERVE_Q_PADDING_INTERVAL,
+                             mixed_steps=False)
     internals().install_server(options)
 
 
@@ -155,9 +162,11 @@ def install_517(options) -> None:
 
 
 def main(argv: list[str]) -> int:
-    """``zos serve MODEL_DIR [transformers serve options]``: run transformers' server on the
-    local model directory with continuous batching (``--continuous-batching`` is added when
-    missing) and zos on. Returns the server's exit status.
+    """``zos serve MODEL_DIR [--zos-mixed-steps] [transformers serve options]``: run
+    transformers' server on the local model directory with continuous batching
+    (``--continuous-batching`` is added when missing) and zos on (:func:`install`'s defaults;
+    ``--zos-mixed-steps``: ``mixed_steps=True``, transformers' own schedule). Returns the
+    server's exit status.
 
     Raises:
         ValueError: no model directory, or MODEL_DIR is not an existing directory (the model
@@ -172,10 +181,13 @@ def main(argv: list[str]) -> int:
                          f"config.json there); zos serve loads no model from a hub")
     os.environ["HF_HUB_OFFLINE"] = "1"
     os.environ.setdefault("HF_HUB_DISABLE_UPDATE_CHECK", "1")
-    install()
+    from zos.integrations.transformers import ZosOptions
+
+    args = [a for a in argv if a != MIXED_STEPS_FLAG]  # the model as given (transformers' rule)
+    install(ZosOptions(q_padding_interval_size=SERVE_Q_PADDING_INTERVAL,
+                       mixed_steps=MIXED_STEPS_FLAG in argv))
     from transformers.cli.transformers import main as transformers_main
 
-    args = list(argv)  # requests name the model as given here (transformers' rule)
     if "--continuous-batching" not in args:
         args.append("--continuous-batching")
     sys.argv = ["transformers", "serve", *args]

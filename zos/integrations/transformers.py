@@ -125,6 +125,12 @@ class ZosOptions:
             graph per padded size and IO pair: 128 halves them (16 instead of 32 at 2,048 batch
             tokens) for up to 64 more padded tokens a step. None (default): transformers'.
             ``zos serve``: 128 (:data:`zos.integrations.serve.SERVE_Q_PADDING_INTERVAL`).
+        mixed_steps: True (default): transformers' FIFO scheduler, whose steps mix decoding
+            requests with prefill tokens (transformers' host-built varlen path). False: prefill
+            and decode in separate steps, alternating while requests wait
+            (:mod:`zos.integrations.hf_scheduler`), so every decode step is zos's. Applies to
+            a manager on transformers' ``"fifo"`` scheduler; another one is kept, with a
+            one-line warning. ``zos serve``: False.
     """
 
     max_num_blocks_per_req: int | None = None
@@ -132,6 +138,7 @@ class ZosOptions:
     bucket_policy: str | None = "vllm"
     metadata_backend: str = "device"
     q_padding_interval_size: int | None = None
+    mixed_steps: bool = True
 
 
 def zos_paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
@@ -230,7 +237,8 @@ def enable_zos(model, options: ZosOptions | None = None) -> bool:
             (its interpreter is then off).
         ValueError: an unknown ``options.bucket_policy`` or ``options.metadata_backend``, an
             ``options.q_padding_interval_size`` below 1.
-        TypeError: options is not a ZosOptions; ``options.q_padding_interval_size`` not an int.
+        TypeError: options is not a ZosOptions; ``options.q_padding_interval_size`` not an
+            int; ``options.mixed_steps`` not a bool.
     """
     tf = _transformers()
     options = ZosOptions() if options is None else options
@@ -244,6 +252,9 @@ def enable_zos(model, options: ZosOptions | None = None) -> bool:
                          f"{options.metadata_backend!r}")
     if options.q_padding_interval_size is not None:
         check_int("options.q_padding_interval_size", options.q_padding_interval_size)
+    if not isinstance(options.mixed_steps, bool):
+        raise TypeError(f"options.mixed_steps must be a bool, got "
+                        f"{type(options.mixed_steps).__name__}")
     why = unsupported(model)
     if why is not None:
         warnings.warn(f"zos: {why}; this model keeps transformers' own continuous batching",

@@ -1,0 +1,68 @@
+"""Prefill and decode in separate steps: a schedule for transformers' continuous batching in
+which no step mixes the two (``ZosOptions(mixed_steps=False)``; ``zos serve``'s default).
+
+Why: transformers' FIFO scheduler puts every decoding request and then as many prefill tokens
+as the token budget holds into one step. Under load, when a request arrives every step or two,
+nearly every step is such a mixed step, and a mixed step is transformers' varlen path:
+``prepare_batch_tensors`` loops over the requests in Python and extends the cache's read index
+by one int per past token of every decoding request (a ~1k-token context: ~1k ints per row per
+step), then copies it to the device. zos builds decode-only steps on the device and none of
+this runs; a mixed step gets none of it. On the CPU (tiny model, 128 requests of 1,000
+prompt tokens, ``bench/NOTES.md`` 2026-12-06) such steps took a median 30 ms of host time at
+~49 requests, growing with the requests' contexts.
+
+The schedule (SGLang's separate prefill and decode batches): each step is either
+
+* prefill-only: the requests being prefilled, then the waiting ones, in transformers' order
+  and under its token, cache and request budgets, when any are schedulable and either no
+  request decodes or the previous step was not a prefill-only step; or
+* decode-only: every decoding request, in transformers' order (zos's device-built step);
+
+if the chosen kind schedules nothing (the cache cannot hold a new request), the other is
+tried in the same call. So while requests keep arriving, prefill and decode steps alternate:
+a decoding request gets a token at least every second step, and a waiting request that fits
+starts within two steps. Everything else (budgets, safety margin, offloading, prefix sharing,
+cancellation) is transformers' own, through the same scheduler methods its FIFO scheduler
+uses (named in :data:`zos.integrations.hf_internals.SHARED`).
+"""
+from __future__ import annotations
+
+
+def split_steps(scheduler) -> None:
+    """Make ``scheduler`` (transformers' ``FIFOScheduler``, an instance) schedule prefill-only
+    and decode-only batches (module docstring): its ``schedule_batch`` is replaced on the
+    instance; its return value keeps transformers' contract (``(requests or None when the cache
+    holds none of them, decode fast path, query tokens, KV tokens read)``)."""
+    from transformers.generation.continuous_batching.requests import RequestStatus
+
+    last_was_prefill = False
+
+    def schedule_batch(token_budget: int, cache_budget: int):
+        nonlocal last_was_prefill
+        decoding, prefilling = [], []
+        for state in scheduler.active_requests.values():
+            if state.status == RequestStatus.DECODING:
+                decoding.append(state)
+            elif state.status == RequestStatus.PREFILLING:
+                prefilling.append(state)
+        if not scheduler.block_new_requests:
+            prefilling.extend(scheduler._get_waiting_candidates())
+        prefill = bool(prefilling) and (not decoding or not last_was_prefill)
+        failed, starved = False, []
+        for candidates in ([prefilling, decoding] if prefill else [decoding, prefilling]):
+            if not candidates:
+                continue
+            removed: set[str] = set()
+            scheduled, one_failed, fast, q, kv = scheduler._process_candidates(
+                candidates, token_budget, cache_budget, removed)
+            scheduler._cleanup_waiting_queue(removed)
+            failed |= one_failed
+            starved += scheduler.starved_requests  # each call starts its own list
+            scheduler.starved_requests = starved
+            if scheduled:
+                last_was_prefill = candidates is prefilling
+                return scheduled, fast, q, kv
+        last_was_prefill = False
+        return (None if failed else []), False, 0, 0
+
+    scheduler.schedule_batch = schedule_batch
