@@ -625,7 +625,8 @@ def main(argv=None) -> int:
                  else workload(tok, c, args.requests, args, seed=c) for c in levels}
         row = dict(model=name, levels={c: {} for c in levels})
         for kind, site, label in servers:
-            proc, port = start_server(kind, mdir, args, out / f"serve_{name}_{label}.log", site)
+            log = out / f"serve_{name}_{label.replace('@', '_tf')}.log"  # no @ in file names
+            proc, port = start_server(kind, mdir, args, log, site)
             try:
                 top = max(levels) if not args.rates else 64
                 warm = workload(tok, top, top, args, seed=7 + top)

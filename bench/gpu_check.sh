@@ -46,7 +46,8 @@ if [ -n "${TF525_WHEELS:-}" ]; then
   # shellcheck disable=SC2086  (the test selection is a list of pytest arguments)
   PYTHONPATH=/tmp/zos_tf525 HF_HUB_OFFLINE=1 USE_HUB_KERNELS=NO timeout "${TF525_TIMEOUT:-420}" \
     python3 -m pytest -v -p no:cacheprovider ${TF525_TESTS:-tests/test_hf.py tests/test_hf_capacity.py \
-    tests/test_hf_faults.py tests/test_hf_manager.py tests/test_hf_rows.py tests/test_hf_sampling.py} \
+    tests/test_hf_faults.py tests/test_hf_manager.py tests/test_hf_rows.py tests/test_hf_sampling.py \
+    tests/test_hf_scheduler.py} \
     > "$OUT/tests_tf525.log" 2>&1
   echo "tf525 rc=$?: $(grep -c ' PASSED' "$OUT/tests_tf525.log") passed, \
 $(grep -c ' SKIPPED' "$OUT/tests_tf525.log") skipped, $(grep -c ' FAILED' "$OUT/tests_tf525.log") failed"
