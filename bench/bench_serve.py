@@ -191,17 +191,19 @@ def server_env(site: str | None) -> dict:
 
 def parse_server(spec: str) -> tuple[str, str | None, str]:
     """``KIND`` or ``KIND@DIR`` -> (kind, DIR or None, ``KIND@VERSION``: the transformers
-    release the server runs on). ValueError for an unknown kind or a DIR without
-    transformers."""
+    release the server runs on). ValueError for an unknown kind, or a DIR without a
+    transformers that imports."""
     kind, _, site = spec.partition("@")
     if kind not in SERVERS:
         raise ValueError(f"server {spec!r}: kind {kind!r} is not one of {SERVERS}")
     if site and not (Path(site) / "transformers").is_dir():
         raise ValueError(f"server {spec!r}: {site!r} holds no transformers package")
-    version = subprocess.run(
+    run = subprocess.run(
         [sys.executable, "-c", "import transformers; print(transformers.__version__)"],
-        env=server_env(site or None), capture_output=True, text=True, check=True).stdout.strip()
-    return kind, site or None, f"{kind}@{version}"
+        env=server_env(site or None), capture_output=True, text=True)
+    if run.returncode:
+        raise ValueError(f"server {spec!r}: transformers does not import: {run.stderr[-500:]}")
+    return kind, site or None, f"{kind}@{run.stdout.strip()}"
 
 
 def start_server(kind: str, path: str, args, log: Path, site: str | None = None):
@@ -505,7 +507,7 @@ def add_ratios(row: dict) -> None:
 def merge(paths: list[str], out: Path) -> Path:
     """One result file from runs of the same GPU and load (e.g. one device call per release
     line): each model's levels take every run's servers, ratios recomputed over all of them.
-    ValueError when the runs' GPUs or levels differ."""
+    ValueError when the runs' GPUs or levels differ, or the result would overwrite a run."""
     docs = [json.loads(Path(p).read_text()) for p in paths]
     first = docs[0]
     rows: dict[str, dict] = {}
@@ -526,6 +528,8 @@ def merge(paths: list[str], out: Path) -> Path:
         dict(date=d["date"], transformers=d["transformers"], args=d["args"]) for d in docs],
         results=list(rows.values()))
     path = out / f"serve_{first['gpu'].replace(' ', '_')}_{doc['date']}.json"
+    if any(path.resolve() == Path(p).resolve() for p in paths):
+        raise ValueError(f"--merge: {path} is one of the runs merged; give another --out")
     path.write_text(json.dumps(doc, indent=1))
     return path
 
@@ -600,6 +604,9 @@ def main(argv=None) -> int:
         return 2
     try:
         servers = [parse_server(spec) for spec in args.servers.split(",")]
+        labels = [label for *_, label in servers]
+        if len(set(labels)) < len(labels):
+            raise ValueError(f"--servers: two servers run the same kind and release: {labels}")
     except ValueError as e:
         print(e, file=sys.stderr)
         return 2

@@ -157,6 +157,9 @@ def test_merge_puts_release_lines_in_one_level_and_rates_zos_against_the_best(tm
     c = run("c.json", "2026-12-07", {"48.0": {"zos@5.25.0": _level(1.0, 1.0)}})
     with pytest.raises(ValueError, match="levels"):
         bench_serve.merge([a, c], tmp_path)
+    d = run("serve_G_2026-12-07.json", "2026-12-07", {"16.0": {}})
+    with pytest.raises(ValueError, match="is one of the runs merged"):
+        bench_serve.merge([a, d], tmp_path)
 
 
 def test_server_spec_names_its_release_and_refuses_a_bad_one(tmp_path):
@@ -169,3 +172,12 @@ def test_server_spec_names_its_release_and_refuses_a_bad_one(tmp_path):
         bench_serve.parse_server("vllm")
     with pytest.raises(ValueError, match="no transformers"):
         bench_serve.parse_server(f"tf_graphs@{tmp_path}")
+    (tmp_path / "transformers").mkdir()
+    (tmp_path / "transformers" / "__init__.py").write_text("raise ImportError('broken')")
+    with pytest.raises(ValueError, match="(?s)does not import: .*ImportError: broken"):
+        bench_serve.parse_server(f"tf_graphs@{tmp_path}")
+
+
+def test_two_servers_of_one_kind_and_release_are_refused(capsys):
+    assert bench_serve.main(["--servers", "zos,zos", "--smoke"]) == 2
+    assert "same kind and release" in capsys.readouterr().err

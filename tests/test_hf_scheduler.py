@@ -15,9 +15,11 @@ from helpers import DEVICE, require_transformers
 require_transformers()  # before the transformers imports below
 
 from test_hf import cb_config, gen_config, prompts, reference, tiny_llama  # noqa: E402
+from transformers.generation.continuous_batching import continuous_api  # noqa: E402
 from transformers.generation.continuous_batching.requests import RequestStatus  # noqa: E402
 
 from zos.integrations import hf_manager  # noqa: E402
+from zos.integrations.hf_internals import internals  # noqa: E402
 from zos.integrations.transformers import ZosOptions, disable_zos, enable_zos  # noqa: E402
 
 MODES = [(False, False)] + ([(True, True)] if DEVICE == "cuda" else [])  # (graphs, async)
@@ -27,10 +29,15 @@ LENGTHS = [5, 17, 40, 3, 23, 9, 31]
 def recorded_run(monkeypatch, mixed_steps, lengths=LENGTHS, new=7, graphs=False,
                  asynchronous=False, **cb_kw):
     """Outputs of a zos-enabled ``generate_batch`` and its batches as scheduled: per batch,
-    ``(kinds, decoding)``: per request True (it was decoding) / False (a prefill chunk), and
-    whether any request was decoding when the batch was scheduled."""
+    ``(kinds, decoding, below)``: per request True (it was decoding) / False (a prefill
+    chunk), whether any request was decoding when the batch was scheduled, and whether the
+    cache was below transformers' safety margin then; and how many times transformers
+    offloaded requests."""
     model = tiny_llama(3)
-    batches = []
+    batches, offloads = [], []
+    offload = continuous_api.OffloadingManager.offload_requests
+    monkeypatch.setattr(continuous_api.OffloadingManager, "offload_requests",
+                        lambda self: offloads.append(1) or offload(self))
 
     def record(scheduler):
         schedule = scheduler.schedule_batch
@@ -38,10 +45,11 @@ def recorded_run(monkeypatch, mixed_steps, lengths=LENGTHS, new=7, graphs=False,
         def schedule_batch(*args):
             decoding = {rid for rid, st in scheduler.active_requests.items()
                         if st.status == RequestStatus.DECODING}
+            below = internals().below_safety_margin(scheduler)
             out = schedule(*args)
             if out[0]:
                 batches.append(([fs.state.request_id in decoding for fs in out[0]],
-                                bool(decoding)))
+                                bool(decoding), below))
             return out
 
         scheduler.schedule_batch = schedule_batch
@@ -61,36 +69,39 @@ def recorded_run(monkeypatch, mixed_steps, lengths=LENGTHS, new=7, graphs=False,
         disable_zos(model)
     got = [out[k].generated_tokens for k in sorted(out, key=lambda k: int(k.split("_")[-1]))]
     want = [reference(model, p, new) for p in inputs]
-    return got, want, batches
+    return got, want, batches, len(offloads)
 
 
 @pytest.mark.parametrize("graphs,asynchronous", MODES)
 def test_no_step_mixes_prefill_and_decode(monkeypatch, graphs, asynchronous):
-    got, want, batches = recorded_run(monkeypatch, False, graphs=graphs,
-                                      asynchronous=asynchronous)
+    got, want, batches, _ = recorded_run(monkeypatch, False, graphs=graphs,
+                                         asynchronous=asynchronous)
     assert got == want
-    assert all(len(set(kinds)) == 1 for kinds, _ in batches), batches
-    # two prefill steps in a row only when nothing decodes at the second
-    prefill = [not kinds[0] for kinds, _ in batches]
-    assert any(prefill) and not all(prefill)
+    assert all(len(set(kinds)) == 1 for kinds, *_ in batches), batches
+    prefill = [not kinds[0] for kinds, *_ in batches]
+    # two prefill steps in a row only when nothing decodes at the second ...
     for i in range(1, len(batches)):
         assert not (prefill[i - 1] and prefill[i] and batches[i][1]), (i, batches)
+    # ... and new requests are not held back until nothing decodes
+    assert any(p and decoding for p, (_, decoding, _) in zip(prefill, batches))
 
 
 def test_transformers_schedule_mixes_them_on_this_workload(monkeypatch):
     """The workload above is one where the schedule matters: transformers' own mixes."""
-    got, want, batches = recorded_run(monkeypatch, True)
+    got, want, batches, _ = recorded_run(monkeypatch, True)
     assert got == want
-    assert any(len(set(kinds)) == 2 for kinds, _ in batches)
+    assert any(len(set(kinds)) == 2 for kinds, *_ in batches)
 
 
 def test_separate_steps_under_a_cache_that_offloads(monkeypatch):
     """12 blocks of 4 tokens for 4 rows: requests are offloaded and restored; every request
-    still gets exactly its tokens and no step mixes."""
-    got, want, batches = recorded_run(monkeypatch, False, lengths=[9, 14, 6, 11, 3], new=9,
-                                      num_blocks=12, max_batch_tokens=32)
-    assert got == want
-    assert all(len(set(kinds)) == 1 for kinds, _ in batches)
+    still gets exactly its tokens, no step mixes, and below transformers' safety margin a
+    request that decodes goes before a new prefill."""
+    got, want, batches, offloads = recorded_run(monkeypatch, False, lengths=[9, 14, 6, 11, 3],
+                                                new=9, num_blocks=12, max_batch_tokens=32)
+    assert got == want and offloads > 0
+    assert all(len(set(kinds)) == 1 for kinds, *_ in batches)
+    assert not any(not kinds[0] and decoding and below for kinds, decoding, below in batches)
 
 
 def test_other_schedulers_are_kept_with_a_warning():
@@ -98,7 +109,7 @@ def test_other_schedulers_are_kept_with_a_warning():
     inputs = prompts(5, [6, 9], model.config.vocab_size)
     enable_zos(model, ZosOptions(mixed_steps=False))
     try:
-        with pytest.warns(RuntimeWarning, match="keeps 'prefill_first'"):
+        with pytest.warns(RuntimeWarning, match="keeps its PrefillFirstScheduler"):
             out = model.generate_batch(inputs, generation_config=gen_config(4),
                                        progress_bar=False, continuous_batching_config=cb_config(
                                            scheduler_type="prefill_first"))

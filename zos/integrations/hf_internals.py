@@ -58,6 +58,7 @@ SHARED = (
     (f"{_CB}.scheduler", "Scheduler._process_candidates"),
     (f"{_CB}.scheduler", "Scheduler._get_waiting_candidates"),
     (f"{_CB}.scheduler", "Scheduler._cleanup_waiting_queue"),
+    (f"{_CB}.scheduler", "FIFOScheduler.schedule_batch"),
     (f"{_CB}.requests", "RequestStatus.DECODING"),
     (f"{_CB}.requests", "RequestStatus.PREFILLING"),
     (f"{_CB}.offloading_manager", "OffloadingManager.free_request_cpu_cache"),
@@ -107,6 +108,12 @@ class TF517:
 
     def free_blocks(self, cache) -> int:
         return cache.get_num_free_blocks()
+
+    def below_safety_margin(self, scheduler) -> bool:
+        """Whether the cache has less free room than the scheduler's safety margin (a share of
+        it), where transformers' schedulers admit no new prefill beside other requests."""
+        return scheduler.cache.get_num_free_blocks() < scheduler.safety_margin * \
+            scheduler.cache.num_blocks
 
     def blocks_in_use(self, cache, request_id: str) -> int:
         return cache.blocks_in_use(request_id)
@@ -246,6 +253,7 @@ class TF525(TF517):
                 (f"{_CB}.cache_allocators",
                  "FullAttentionCacheAllocator.get_cache_for_block_table"),
                 (f"{_CB}.cache_allocators.cache_pool", "CachePool.count_free_blocks"),
+                (f"{_CB}.cache", "PagedAttentionCache.compute_free_capacity"),
                 (f"{_CB}.requests", "create_warmup_future_states"))
 
     @staticmethod
@@ -273,6 +281,9 @@ class TF525(TF517):
         alloc = self._full(cache)
         return (cache.pool.num_free_sectors * alloc.blocks_per_sector
                 + cache.pool.count_free_blocks(alloc.index))
+
+    def below_safety_margin(self, scheduler) -> bool:
+        return scheduler.cache.compute_free_capacity() < scheduler.safety_margin
 
     def blocks_in_use(self, cache, request_id: str) -> int:
         return len(self._full(cache).block_table.get(request_id, ()))

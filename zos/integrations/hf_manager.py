@@ -480,12 +480,12 @@ def install_manager_hook() -> None:
         bp.offloading_manager._compute_stream = ios.compute_stream
         finish_cancelled(bp.scheduler)
         if not options.mixed_steps:
-            if cfg.scheduler_type == "fifo":
+            if isinstance(bp.scheduler, api.FIFOScheduler):
                 split_steps(bp.scheduler)
             else:
-                warnings.warn(f"zos: mixed_steps=False applies to transformers' 'fifo' "
-                              f"scheduler; this manager keeps {cfg.scheduler_type!r}",
-                              RuntimeWarning, stacklevel=2)
+                warnings.warn(f"zos: mixed_steps=False applies to transformers' FIFO "
+                              f"scheduler; this manager keeps its "
+                              f"{type(bp.scheduler).__name__}", RuntimeWarning, stacklevel=2)
         refuse_oversized(bp)
         fail_unschedulable(bp)
         return bp

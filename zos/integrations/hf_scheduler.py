@@ -15,15 +15,20 @@ The schedule (SGLang's separate prefill and decode batches): each step is either
 
 * prefill-only: the requests being prefilled, then the waiting ones, in transformers' order
   and under its token, cache and request budgets, when any are schedulable and either no
-  request decodes or the previous step was not a prefill-only step; or
-* decode-only: every decoding request, in transformers' order (zos's device-built step);
+  request decodes, or the previous step was not a prefill-only step and the cache has the free
+  room of transformers' safety margin (below it transformers admits no prefill beside
+  decoding requests either); or
+* decode-only: the decoding requests, in transformers' order and budgets (zos's device-built
+  step);
 
 if the chosen kind schedules nothing (the cache cannot hold a new request), the other is
-tried in the same call. So while requests keep arriving, prefill and decode steps alternate:
-a decoding request gets a token at least every second step, and a waiting request that fits
-starts within two steps. Everything else (budgets, safety margin, offloading, prefix sharing,
-cancellation) is transformers' own, through the same scheduler methods its FIFO scheduler
-uses (named in :data:`zos.integrations.hf_internals.SHARED`).
+tried in the same call. So while requests keep arriving and the cache has room, prefill and
+decode steps alternate: a decoding request that fits the step's budgets gets a token at least
+every second step. Requests the cache cannot grow are reported decoding ones first, as
+transformers' FIFO order reports them (its offloading evicts from the end of that list).
+Everything else (budgets, offloading, prefix sharing, cancellation) is transformers' own,
+through the same scheduler methods its FIFO scheduler uses (named in
+:data:`zos.integrations.hf_internals.SHARED`).
 """
 from __future__ import annotations
 
@@ -35,6 +40,9 @@ def split_steps(scheduler) -> None:
     holds none of them, decode fast path, query tokens, KV tokens read)``)."""
     from transformers.generation.continuous_batching.requests import RequestStatus
 
+    from zos.integrations.hf_internals import internals
+
+    tfi = internals()
     last_was_prefill = False
 
     def schedule_batch(token_budget: int, cache_budget: int):
@@ -47,8 +55,9 @@ def split_steps(scheduler) -> None:
                 prefilling.append(state)
         if not scheduler.block_new_requests:
             prefilling.extend(scheduler._get_waiting_candidates())
-        prefill = bool(prefilling) and (not decoding or not last_was_prefill)
-        failed, starved = False, []
+        prefill = bool(prefilling) and (not decoding or not (
+            last_was_prefill or tfi.below_safety_margin(scheduler)))
+        failed, starved = False, {}
         for candidates in ([prefilling, decoding] if prefill else [decoding, prefilling]):
             if not candidates:
                 continue
@@ -57,8 +66,8 @@ def split_steps(scheduler) -> None:
                 candidates, token_budget, cache_budget, removed)
             scheduler._cleanup_waiting_queue(removed)
             failed |= one_failed
-            starved += scheduler.starved_requests  # each call starts its own list
-            scheduler.starved_requests = starved
+            starved[candidates is decoding] = scheduler.starved_requests  # a list per call
+            scheduler.starved_requests = starved.get(True, []) + starved.get(False, [])
             if scheduled:
                 last_was_prefill = candidates is prefilling
                 return scheduled, fast, q, kv
