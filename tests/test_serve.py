@@ -290,4 +290,26 @@ def test_zos_serve_pads_prefill_queries_to_its_interval(monkeypatch):
     serve.install()
     serve.install(ZosOptions(bucket_policy="pow2"))
     assert given[0].q_padding_interval_size == serve.SERVE_Q_PADDING_INTERVAL == 128
+    assert given[0].mixed_steps is False  # prefill and decode in separate steps
     assert given[1].q_padding_interval_size is None and given[1].bucket_policy == "pow2"
+
+
+def test_zos_serve_flag_keeps_transformers_schedule(monkeypatch, tmp_path):
+    """``--zos-mixed-steps`` reaches the options and never transformers' parser; without it
+    zos serve runs separate prefill and decode steps."""
+    import transformers.cli.transformers as cli
+
+    from zos.integrations import serve
+
+    (tmp_path / "config.json").write_text("{}")
+    given, argv = [], []
+    for name in ("HF_HUB_OFFLINE", "HF_HUB_DISABLE_UPDATE_CHECK"):  # main sets them
+        monkeypatch.setenv(name, "1")
+    monkeypatch.setattr(sys, "argv", list(sys.argv))  # and this
+    monkeypatch.setattr(serve, "install", given.append)
+    monkeypatch.setattr(cli, "main", lambda: argv.append(list(sys.argv)))
+    for flag in ([], [serve.MIXED_STEPS_FLAG]):
+        assert serve.main([str(tmp_path), *flag, "--port", "1"]) == 0
+    assert [o.mixed_steps for o in given] == [False, True]
+    assert argv == [["transformers", "serve", str(tmp_path), "--port", "1",
+                     "--continuous-batching"]] * 2

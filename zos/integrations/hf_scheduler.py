@@ -6,8 +6,8 @@ as the token budget holds into one step. Under load, when a request arrives ever
 nearly every step is such a mixed step, and a mixed step is transformers' varlen path:
 ``prepare_batch_tensors`` loops over the requests in Python and extends the cache's read index
 by one int per past token of every decoding request (a ~1k-token context: ~1k ints per row per
-step), then copies it to the device. zos builds decode-only steps on the device and none of
-this runs; a mixed step gets none of it. On the CPU (tiny model, 128 requests of 1,000
+step), then copies it to the device. zos builds decode-only steps on the device, where none of
+this runs; a mixed step cannot be one of them. On the CPU (tiny model, 128 requests of 1,000
 prompt tokens, ``bench/NOTES.md`` 2026-12-06) such steps took a median 30 ms of host time at
 ~49 requests, growing with the requests' contexts.
 

@@ -114,12 +114,16 @@ def install(options=None) -> None:
             (:func:`~zos.integrations.hf_internals.internals`).
     """
     from zos.integrations.hf_internals import internals
+
+    internals().install_server(serve_options() if options is None else options)
+
+
+def serve_options(mixed_steps: bool = False):
+    """``zos serve``'s :class:`~zos.integrations.transformers.ZosOptions`: the defaults with
+    ``q_padding_interval_size`` :data:`SERVE_Q_PADDING_INTERVAL` and ``mixed_steps``."""
     from zos.integrations.transformers import ZosOptions
 
-    if options is None:
-        options = ZosOptions(q_padding_interval_size=SERVE_Q_PADDING_INTERVAL,
-                             mixed_steps=False)
-    internals().install_server(options)
+    return ZosOptions(q_padding_interval_size=SERVE_Q_PADDING_INTERVAL, mixed_steps=mixed_steps)
 
 
 def install_517(options) -> None:
@@ -181,11 +185,8 @@ def main(argv: list[str]) -> int:
                          f"config.json there); zos serve loads no model from a hub")
     os.environ["HF_HUB_OFFLINE"] = "1"
     os.environ.setdefault("HF_HUB_DISABLE_UPDATE_CHECK", "1")
-    from zos.integrations.transformers import ZosOptions
-
     args = [a for a in argv if a != MIXED_STEPS_FLAG]  # the model as given (transformers' rule)
-    install(ZosOptions(q_padding_interval_size=SERVE_Q_PADDING_INTERVAL,
-                       mixed_steps=MIXED_STEPS_FLAG in argv))
+    install(serve_options(mixed_steps=MIXED_STEPS_FLAG in argv))
     from transformers.cli.transformers import main as transformers_main
 
     if "--continuous-batching" not in args:
