@@ -310,6 +310,8 @@ def test_zos_serve_flag_keeps_transformers_schedule(monkeypatch, tmp_path):
     monkeypatch.setattr(cli, "main", lambda: argv.append(list(sys.argv)))
     for flag in ([], [serve.MIXED_STEPS_FLAG]):
         assert serve.main([str(tmp_path), *flag, "--port", "1"]) == 0
+    with pytest.raises(ValueError, match="--zos-mixed-steps takes no value, got '--zos-mixed-"):
+        serve.main([str(tmp_path), serve.MIXED_STEPS_FLAG + "=false"])
     assert [o.mixed_steps for o in given] == [False, True]
     assert argv == [["transformers", "serve", str(tmp_path), "--port", "1",
                      "--continuous-batching"]] * 2

@@ -174,7 +174,7 @@ def main(argv: list[str]) -> int:
 
     Raises:
         ValueError: no model directory, or MODEL_DIR is not an existing directory (the model
-            never comes from a hub).
+            never comes from a hub), or ``--zos-mixed-steps`` is given a value (it takes none).
     """
     if not argv or argv[0].startswith("-"):
         raise ValueError("MODEL_DIR: the first argument must be a local model directory (with "
@@ -183,6 +183,9 @@ def main(argv: list[str]) -> int:
     if not os.path.isdir(argv[0]) or not os.path.isfile(os.path.join(argv[0], "config.json")):
         raise ValueError(f"MODEL_DIR: {argv[0]!r} is not a local model directory (no "
                          f"config.json there); zos serve loads no model from a hub")
+    valued = [a for a in argv if a.startswith(MIXED_STEPS_FLAG + "=")]
+    if valued:
+        raise ValueError(f"{MIXED_STEPS_FLAG} takes no value, got {valued[0]!r}")
     os.environ["HF_HUB_OFFLINE"] = "1"
     os.environ.setdefault("HF_HUB_DISABLE_UPDATE_CHECK", "1")
     args = [a for a in argv if a != MIXED_STEPS_FLAG]  # the model as given (transformers' rule)
