@@ -15,4 +15,5 @@ from zos.triton_kernels import (  # noqa: F401
     prep,
     spec,
     varlen_attention,
+    vllm_layout,
 )
