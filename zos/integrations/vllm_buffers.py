@@ -74,16 +74,23 @@ class VllmDecodeInputs:
         return max_reqs, max_tokens
 
 
-def write_vllm_decode_inputs(meta: StepMetadata, out: VllmDecodeInputs,
+def write_vllm_decode_inputs(meta: StepMetadata, idx_mapping: torch.Tensor,
+                             last_sampled_tokens: torch.Tensor, out: VllmDecodeInputs,
                              padded_reqs: int) -> None:
     """Write the decode step of ``meta`` (zos's views, one token per request row, its real row
     count N in ``meta.counts[0]`` on the device) into ``out`` in runner v2's layout, padded to
     ``padded_reqs`` request rows (vLLM's ``batch_desc.num_reqs``; >= N, which only the device
     knows). One launch on the current stream, capturable in a CUDA graph (N is read there).
 
+    The input tokens are vLLM's, not zos's: row r's is ``last_sampled_tokens[idx_mapping[r], 0]``
+    (``idx_mapping``: int32 [>= N], each row's request index in vLLM's request state, runner
+    v2's ``InputBatch.idx_mapping``; ``last_sampled_tokens``: int64 [max_num_reqs, 1],
+    ``req_states.last_sampled_tokens``), so zos's ``meta.input_ids`` is not read.
+
     Raises:
         TypeError / ValueError: a tensor of ``out`` off its dtype, shape or device
-            (:meth:`VllmDecodeInputs.check`), ``meta`` not a decode step of one token per row or
+            (:meth:`VllmDecodeInputs.check`), ``idx_mapping`` / ``last_sampled_tokens`` off
+            theirs (dtype: TypeError), ``meta`` not a decode step of one token per row or
             on another device, its block table wider than ``out``'s, or ``padded_reqs`` not an
             int in [1, max_num_reqs]; nothing is written then.
     """
@@ -96,12 +103,24 @@ def write_vllm_decode_inputs(meta: StepMetadata, out: VllmDecodeInputs,
                          "DecodeBuffers view with uniform_decode_query_len 1)")
     if meta.input_ids.device != out.input_ids.device:
         raise ValueError(f"meta is on {meta.input_ids.device}, out on {out.input_ids.device}")
+    for name, t, dtype, ndim in (("idx_mapping", idx_mapping, torch.int32, 1),
+                                 ("last_sampled_tokens", last_sampled_tokens, torch.int64, 2)):
+        if not isinstance(t, torch.Tensor) or t.dtype != dtype:
+            raise TypeError(f"{name} must be a {dtype} tensor, got "
+                            f"{getattr(t, 'dtype', type(t).__name__)}")
+        if t.dim() != ndim or t.device != out.input_ids.device:
+            raise ValueError(f"{name} must be {ndim}-D on {out.input_ids.device}, got shape "
+                             f"{tuple(t.shape)} on {t.device}")
+    if idx_mapping.numel() < meta.num_reqs:
+        raise ValueError(f"idx_mapping holds {idx_mapping.numel()} rows, the step "
+                         f"{meta.num_reqs}")
     rows, width = meta.block_table.shape
     if rows > max_reqs or width > out.block_table.shape[1]:
         raise ValueError(f"meta's block table [{rows}, {width}] does not fit out's "
                          f"{tuple(out.block_table.shape)}")
     _kernel[(max_reqs + 1,)](
-        meta.counts, meta.input_ids, meta.positions, meta.seq_lens, meta.block_table,
+        meta.counts, idx_mapping, last_sampled_tokens, last_sampled_tokens.stride(0),
+        meta.positions, meta.seq_lens, meta.block_table,
         meta.block_table.stride(0), meta.slot_mapping, out.input_ids, out.positions,
         out.query_start_loc, out.seq_lens, out.block_table, out.block_table.stride(0),
         out.slot_mapping, padded_reqs, max_reqs, max_tokens, width, out.block_table.shape[1],

@@ -31,8 +31,9 @@ verified, an upper bound of runner v2's positions). The caller checks that the o
 full attention (sliding-window and Mamba groups are not zos's).
 
 Under asynchronous scheduling (vLLM's default) the host does not know the token a request
-sampled last: new rows stage the placeholder token 0 and ``VllmStep.new_req_ids`` names their
-requests, whose tokens the device reads from vLLM's ``last_sampled_tokens``.
+sampled last: new rows stage the placeholder token 0, and every row's input token is vLLM's
+(``last_sampled_tokens``, read on the device by
+:func:`zos.integrations.vllm_buffers.write_vllm_decode_inputs`).
 """
 from __future__ import annotations
 
@@ -58,15 +59,12 @@ class VllmStep:
     Attributes:
         step: what changed since the last zos step; ``step.req_ids`` are zos's ids (int64, one
             per request lifetime: a request that leaves and comes back is new).
+            ``step.new_tokens`` are placeholders (0): the input tokens are vLLM's.
         req_ids: vLLM's request id of each row, in vLLM's batch order.
-        new_req_ids: vLLM's request id of each of ``step.new_rows``: their input token is the
-            one vLLM last sampled for that request (``last_sampled_tokens``), not
-            ``step.new_tokens`` (placeholders, 0).
     """
 
     step: DecodeStep
     req_ids: list[str]
-    new_req_ids: list[str]
 
 
 class VllmDecodeSteps:
@@ -153,7 +151,7 @@ class VllmDecodeSteps:
         req_ids = list(so.num_scheduled_tokens)  # vLLM's order for a uniform step
         prev_get = self.prev.get
         ids, rows = [], {}
-        new_rows, new_req_ids, new_positions, indptr, flat = [], [], [], [0], []
+        new_rows, new_positions, indptr, flat = [], [], [0], []
         app_rows, app_blocks = [], []
         next_id = self.next_id
         for i, rid in enumerate(req_ids):
@@ -174,7 +172,6 @@ class VllmDecodeSteps:
                 zid = next_id
                 next_id += 1
                 new_rows.append(i)
-                new_req_ids.append(rid)
                 new_positions.append(pos)
                 flat.extend(blocks)
                 indptr.append(len(flat))
@@ -187,4 +184,4 @@ class VllmDecodeSteps:
                           np.array(app_rows, i32), np.array(app_blocks, i32),
                           none, np.zeros(1, i32), none)
         self.prev, self.next_id = rows, next_id
-        return VllmStep(step, req_ids, new_req_ids)
+        return VllmStep(step, req_ids)
