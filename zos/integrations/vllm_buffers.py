@@ -80,7 +80,8 @@ def write_vllm_decode_inputs(meta: StepMetadata, idx_mapping: torch.Tensor,
     """Write the decode step of ``meta`` (zos's views, one token per request row, its real row
     count N in ``meta.counts[0]`` on the device) into ``out`` in runner v2's layout, padded to
     ``padded_reqs`` request rows (vLLM's ``batch_desc.num_reqs``; >= N, which only the device
-    knows). One launch on the current stream, capturable in a CUDA graph (N is read there).
+    knows). One launch on the current stream, capturable in a CUDA graph (N is read there; every
+    tensor must then keep its address, as runner v2's persistent ones do).
 
     The input tokens are vLLM's, not zos's: row r's is ``last_sampled_tokens[idx_mapping[r], 0]``
     (``idx_mapping``: int32 [>= N], each row's request index in vLLM's request state, runner
