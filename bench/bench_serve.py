@@ -223,7 +223,9 @@ def start_server(kind: str, path: str, args, log: Path, site: str | None = None)
         cmd = [sys.executable, str(Path(__file__).with_name("serve_profile.py")),
                str(log.with_suffix(".profile.json")), mode, *tail]
     elif kind in ("zos", "zos_mixed"):  # the command a user runs: zos serve
-        flag = ["--zos-mixed-steps"] if kind == "zos_mixed" else []
+        from zos.integrations.serve import MIXED_STEPS_FLAG
+
+        flag = [MIXED_STEPS_FLAG] if kind == "zos_mixed" else []
         cmd = [sys.executable, "-m", "zos.serving.cli", "serve", tail[0], *flag, *tail[1:]]
     else:
         cmd = [sys.executable, "-c", CODE[kind], *tail]

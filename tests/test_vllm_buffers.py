@@ -114,6 +114,8 @@ def test_bad_tensors_are_refused_before_any_write():
         write_vllm_decode_inputs(meta, idx.long(), sampled, out, 4)
     with pytest.raises(TypeError, match="last_sampled_tokens must be a torch.int64"):
         write_vllm_decode_inputs(meta, idx, sampled.int(), out, 4)
+    with pytest.raises(ValueError, match="idx_mapping must be 1-D, contiguous"):
+        write_vllm_decode_inputs(meta, torch.stack([idx, idx], 1)[:, 0], sampled, out, 4)
     with pytest.raises(ValueError, match="idx_mapping holds 2 rows, the step 3"):
         write_vllm_decode_inputs(meta, idx[:2], sampled, out, 4)
     assert all(t.eq(STALE).all() for t in out.__dict__.values())

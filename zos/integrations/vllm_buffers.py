@@ -25,6 +25,17 @@ from zos.triton_kernels.vllm_layout import write_vllm_decode_inputs as _kernel
 PAD_SLOT_ID = -1  # vLLM's slot of a token that writes no KV (v1/attention/backends/utils.py)
 
 
+def _check_tensor(name: str, t, dtype: torch.dtype, ndim: int, device: torch.device) -> None:
+    """TypeError unless ``t`` is a ``dtype`` tensor; ValueError unless it is ``ndim``-D on
+    ``device`` and contiguous in its last dimension (the kernel's pointer arithmetic)."""
+    if not isinstance(t, torch.Tensor) or t.dtype != dtype:
+        raise TypeError(f"{name} must be a {dtype} tensor, got "
+                        f"{getattr(t, 'dtype', type(t).__name__)}")
+    if t.dim() != ndim or t.device != device or t.stride(-1) != 1:
+        raise ValueError(f"{name} must be {ndim}-D, contiguous in its last dimension, on "
+                         f"{device}; got shape {tuple(t.shape)} on {t.device}")
+
+
 @dataclass(frozen=True)
 class VllmDecodeInputs:
     """The runner v2 tensors a decode step writes (KV-cache group 0), all on one device.
@@ -52,15 +63,8 @@ class VllmDecodeInputs:
         want = {"input_ids": (torch.int32, 1), "positions": (torch.int64, 1),
                 "query_start_loc": (torch.int32, 1), "seq_lens": (torch.int32, 1),
                 "block_table": (torch.int32, 2), "slot_mapping": (torch.int64, 1)}
-        device = self.input_ids.device
         for name, (dtype, ndim) in want.items():
-            t = getattr(self, name)
-            if not isinstance(t, torch.Tensor) or t.dtype != dtype:
-                raise TypeError(f"{name} must be a {dtype} tensor, got "
-                                f"{getattr(t, 'dtype', type(t).__name__)}")
-            if t.dim() != ndim or t.device != device or t.stride(-1) != 1:
-                raise ValueError(f"{name} must be {ndim}-D, contiguous in its last dimension, "
-                                 f"on {device}; got shape {tuple(t.shape)} on {t.device}")
+            _check_tensor(name, getattr(self, name), dtype, ndim, self.input_ids.device)
         max_reqs, max_tokens = self.seq_lens.numel(), self.input_ids.numel()
         for name, size in (("positions", max_tokens), ("slot_mapping", max_tokens),
                            ("query_start_loc", max_reqs + 1),
@@ -91,7 +95,8 @@ def write_vllm_decode_inputs(meta: StepMetadata, idx_mapping: torch.Tensor,
     Raises:
         TypeError / ValueError: a tensor of ``out`` off its dtype, shape or device
             (:meth:`VllmDecodeInputs.check`), ``idx_mapping`` / ``last_sampled_tokens`` off
-            theirs (dtype: TypeError), ``meta`` not a decode step of one token per row or
+            theirs (dtype: TypeError; 1-D / 2-D, contiguous in the last dimension, on ``out``'s
+            device), ``meta`` not a decode step of one token per row or
             on another device, its block table wider than ``out``'s, or ``padded_reqs`` not an
             int in [1, max_num_reqs]; nothing is written then.
     """
@@ -104,14 +109,9 @@ def write_vllm_decode_inputs(meta: StepMetadata, idx_mapping: torch.Tensor,
                          "DecodeBuffers view with uniform_decode_query_len 1)")
     if meta.input_ids.device != out.input_ids.device:
         raise ValueError(f"meta is on {meta.input_ids.device}, out on {out.input_ids.device}")
-    for name, t, dtype, ndim in (("idx_mapping", idx_mapping, torch.int32, 1),
-                                 ("last_sampled_tokens", last_sampled_tokens, torch.int64, 2)):
-        if not isinstance(t, torch.Tensor) or t.dtype != dtype:
-            raise TypeError(f"{name} must be a {dtype} tensor, got "
-                            f"{getattr(t, 'dtype', type(t).__name__)}")
-        if t.dim() != ndim or t.device != out.input_ids.device:
-            raise ValueError(f"{name} must be {ndim}-D on {out.input_ids.device}, got shape "
-                             f"{tuple(t.shape)} on {t.device}")
+    _check_tensor("idx_mapping", idx_mapping, torch.int32, 1, out.input_ids.device)
+    _check_tensor("last_sampled_tokens", last_sampled_tokens, torch.int64, 2,
+                  out.input_ids.device)
     if idx_mapping.numel() < meta.num_reqs:
         raise ValueError(f"idx_mapping holds {idx_mapping.numel()} rows, the step "
                          f"{meta.num_reqs}")
