@@ -1,0 +1,239 @@
+"""zos as the decode-step input preparation of one vLLM 0.26 model runner v2 (the device half).
+
+:class:`ZosVllmPrep` belongs to one ``vllm.v1.worker.gpu.model_runner.GPUModelRunner`` after
+its KV cache is initialised. For every scheduler output it updates zos's mirror
+(:class:`~zos.integrations.vllm_steps.VllmDecodeSteps`); for a pure-decode step it replaces what
+runner v2's ``prepare_inputs`` and ``prepare_attn`` do on the device (the ``query_start_loc``
+upload and the four kernels ``prepare_pos_seq_lens``, ``combine_sampled_and_draft_tokens``,
+``gather_block_tables``, ``compute_slot_mappings``) by zos's staged record, zos's prep (its
+per-bucket prep graph: one native call) and one launch of
+:func:`~zos.integrations.vllm_buffers.write_vllm_decode_inputs` into runner v2's own persistent
+tensors, and builds the ``InputBatch`` runner v2 would build (its host fields from vLLM's own
+request state, so attention metadata, sampling and output handling stay vLLM's). Prefill and
+mixed steps are vLLM's.
+
+zos writes the buffers before vLLM builds the attention metadata and replays its graph, not
+inside vLLM's full CUDA graph: FlashAttention-3's builder reads ``seq_lens`` on the device
+(``get_scheduler_metadata``, ``vllm/v1/attention/backends/flash_attn.py``) before the replay.
+
+Shadow mode (``shadow=True``): each zos step first runs vLLM's own ``prepare_inputs`` and
+``prepare_attn``, keeps a copy of what they wrote, then runs zos's, and compares every field
+byte for byte (:meth:`ZosVllmPrep.compare`); ``stats`` counts steps and mismatches.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from zos.buckets import BucketTable
+from zos.buffers import DecodeBuffers
+from zos.device_backend import DeviceMetadataBackend
+from zos.integrations.vllm_buffers import VllmDecodeInputs, write_vllm_decode_inputs
+from zos.integrations.vllm_steps import VllmDecodeSteps, VllmStep
+
+
+def unsupported(runner) -> str | None:
+    """Why zos cannot prepare this runner's decode steps (None: it can). Read after
+    ``initialize_kv_cache``; each reason names the vLLM setting."""
+    groups = runner.kv_cache_config.kv_cache_groups
+    spec = groups[0].kv_cache_spec if len(groups) == 1 else None
+    from vllm.envs import VLLM_MOE_SKIP_PADDING
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+    reasons = {
+        "more than one KV-cache group (hybrid or sliding-window model)": len(groups) != 1,
+        "a KV-cache group that is not full attention": (
+            spec is not None and (type(spec) is not FullAttentionSpec
+                                  or getattr(spec, "sliding_window", None) is not None)),
+        "kernel block size != KV block size": (
+            spec is not None and runner.kernel_block_sizes[0] != spec.block_size),
+        "speculative decoding": runner.speculative_config is not None,
+        "pipeline parallelism": runner.use_pp,
+        "decode context parallelism": runner.use_dcp,
+        "prefill context parallelism": runner.pcp_manager is not None,
+        "restricted sliding-window attention (rswa_window)":
+            runner.model_config.rswa_window is not None,
+        "VLLM_MOE_SKIP_PADDING": bool(VLLM_MOE_SKIP_PADDING),
+        "an encoder-decoder model": runner.is_encoder_decoder,
+    }
+    found = [name for name, hit in reasons.items() if hit]
+    return ", ".join(found) or None
+
+
+class ZosVllmPrep:
+    """zos's decode prep bound to one runner v2 (see the module docstring).
+
+    Args:
+        runner: a ``GPUModelRunner`` (vLLM 0.26, ``vllm/v1/worker/gpu/model_runner.py``) whose
+            ``initialize_kv_cache`` has run and for which :func:`unsupported` is None.
+        shadow: compare every zos step with vLLM's own preparation of it.
+
+    Attributes:
+        stats: ``zos_steps``, ``vllm_steps`` (steps vLLM prepared), ``shadow_steps``,
+            ``mismatches`` (fields that differed, summed over steps), ``first_mismatch`` (a
+            description or None), ``prep_s`` (host seconds in zos's ``prepare_inputs``).
+    """
+
+    def __init__(self, runner, *, shadow: bool = False) -> None:
+        self.runner, self.shadow = runner, shadow
+        bt = runner.block_tables
+        self.block_size = runner.kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
+        self.max_reqs = runner.max_num_reqs
+        width = bt.input_block_tables[0].shape[1]
+        self.steps = VllmDecodeSteps(block_size=self.block_size, max_num_reqs=self.max_reqs,
+                                     max_num_blocks_per_req=width)
+        dev = runner.device
+        capture = [s for s in runner.compilation_config.cudagraph_capture_sizes or ()
+                   if s <= self.max_reqs]
+        buckets = BucketTable(sorted(set(capture) | {self.max_reqs}), name="vllm")
+        self.buffers = DecodeBuffers(self.max_reqs, width, self.block_size, device=dev)
+        self.backend = DeviceMetadataBackend(
+            self.buffers, num_kv_blocks=runner.kv_cache_config.num_blocks,
+            vocab_size=runner.vocab_size, buckets=buckets, capture_prep=dev.type == "cuda")
+        ib = runner.input_buffers
+        self.out = VllmDecodeInputs(ib.input_ids, ib.positions, ib.query_start_loc, ib.seq_lens,
+                                    bt.input_block_tables[0], bt.slot_mappings[0])
+        self.out.check()
+        # persistent tensors the InputBatch of a decode step views (never written by vLLM)
+        self.idx_mapping = torch.zeros(self.max_reqs, dtype=torch.int32, device=dev)
+        self.arange_i32 = torch.arange(self.max_reqs + 1, dtype=torch.int32, device=dev)
+        self.arange_i64 = self.arange_i32.to(torch.int64)
+        self.zeros_i32 = torch.zeros(self.max_reqs, dtype=torch.int32, device=dev)
+        self.arange_np = np.arange(self.max_reqs + 1, dtype=np.int32)
+        self.pending: VllmStep | None = None
+        self.stats = dict(zos_steps=0, vllm_steps=0, shadow_steps=0, mismatches=0,
+                          first_mismatch=None, prep_s=0.0)
+
+    def observe(self, scheduler_output) -> None:
+        """Every scheduler output, in order, before the runner reads it: the mirror follows
+        it, and a pure-decode step becomes the one :meth:`prepare_inputs` prepares."""
+        self.pending = self.steps.step(scheduler_output)
+
+    def finish_step(self) -> None:
+        """After ``execute_model``: a zos step that was not prepared (the runner returned
+        before ``prepare_inputs``) carries no row into the next one."""
+        if self.pending is not None:
+            self.steps.forget()
+            self.pending = None
+
+    def prepare_inputs(self, scheduler_output, batch_desc, vllm_prepare_inputs,
+                       vllm_prepare_attn):
+        """runner v2's ``InputBatch`` for this step, or None when it is vLLM's to prepare.
+        Writes the step's six fields into the runner's persistent tensors. In shadow mode
+        calls ``vllm_prepare_inputs(scheduler_output, batch_desc)`` and
+        ``vllm_prepare_attn(batch)`` first and compares."""
+        vstep, self.pending = self.pending, None
+        if vstep is None:
+            self.stats["vllm_steps"] += 1
+            return None
+        ref = None
+        if self.shadow:
+            ref_batch = vllm_prepare_inputs(scheduler_output, batch_desc)
+            vllm_prepare_attn(ref_batch)
+            ref = (ref_batch, *(t.clone() for t in self._fields(ref_batch.num_reqs_after_padding)))
+        t0 = time.perf_counter()
+        batch = self._prepare(vstep, scheduler_output, batch_desc)
+        self.stats["prep_s"] += time.perf_counter() - t0
+        self.stats["zos_steps"] += 1
+        if ref is not None:
+            self.compare(ref, batch)
+        return batch
+
+    def prepare_attn(self, batch) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+        """runner v2's ``prepare_attn`` result for a zos step (what :meth:`prepare_inputs`
+        wrote): the block tables of the padded rows and the padded tokens' slot mapping."""
+        bt = self.runner.block_tables
+        return ((bt.input_block_tables[0][:batch.num_reqs_after_padding],),
+                bt.slot_mappings[:, :batch.num_tokens_after_padding])
+
+    def _prepare(self, vstep: VllmStep, so, batch_desc):
+        from vllm.v1.worker.gpu.buffer_utils import async_copy_to_gpu
+        from vllm.v1.worker.gpu.input_batch import InputBatch
+        runner, rs = self.runner, self.runner.req_states
+        req_ids = vstep.req_ids
+        n = len(req_ids)
+        padded = batch_desc.num_reqs or n
+        num_tokens_padded = batch_desc.num_tokens
+        idx_np = np.fromiter(map(rs.req_id_to_index.get, req_ids), dtype=np.int32, count=n)
+        idx_mapping = async_copy_to_gpu(idx_np, out=self.idx_mapping[:n])
+        meta = self.backend.prepare(vstep.step)
+        write_vllm_decode_inputs(meta, idx_mapping, rs.last_sampled_tokens, self.out, padded)
+        num_computed = rs.num_computed_tokens_np[idx_np]
+        upper = np.zeros(padded, dtype=np.int32)
+        np.add(num_computed, 1, out=upper[:n])
+        prefill_len = rs.prefill_len.np[idx_np]
+        computed_prefill = rs.num_computed_prefill_tokens[idx_np]
+        ib = runner.input_buffers
+        return InputBatch(
+            req_ids=req_ids, num_reqs=n, num_reqs_after_padding=padded,
+            idx_mapping=idx_mapping, idx_mapping_np=idx_np,
+            expanded_idx_mapping=idx_mapping, expanded_local_pos=self.zeros_i32[:n],
+            num_scheduled_tokens=np.ones(n, dtype=np.int32), num_tokens=n,
+            num_tokens_after_padding=num_tokens_padded, num_draft_tokens=0,
+            num_draft_tokens_per_req=None,
+            query_start_loc=ib.query_start_loc[:padded + 1],
+            query_start_loc_np=np.minimum(self.arange_np[:padded + 1], n),
+            seq_lens=ib.seq_lens[:padded], seq_lens_cpu_upper_bound=torch.from_numpy(upper),
+            dcp_local_seq_lens=None, num_computed_tokens_np=num_computed,
+            prefill_len_np=prefill_len, num_computed_prefill_tokens_np=computed_prefill,
+            is_prefilling_np=computed_prefill < prefill_len, max_seq_len_np=None,
+            input_ids=ib.input_ids[:num_tokens_padded],
+            positions=ib.positions[:num_tokens_padded],
+            is_padding=ib.is_padding[:num_tokens_padded],
+            logits_indices=self.arange_i64[:n], cu_num_logits=self.arange_i32[:n + 1],
+            cu_num_logits_np=self.arange_np[:n + 1].copy(),
+            has_structured_output_reqs=so.has_structured_output_requests, prompt_lens=None)
+
+    def _fields(self, padded: int) -> tuple[torch.Tensor, ...]:
+        """Views of what a decode step writes: input ids, positions, query_start_loc,
+        seq_lens, the padded rows' block tables, the slot mapping (whole rows: both pad it to
+        the end)."""
+        o = self.out
+        return (o.input_ids, o.positions, o.query_start_loc, o.seq_lens,
+                o.block_table[:padded], o.slot_mapping)
+
+    def compare(self, ref, batch) -> None:
+        """Count the fields of ``batch`` (zos's) that differ from ``ref`` (vLLM's batch and
+        the copies of its writes): host fields, ids and positions of the real rows, the whole
+        query_start_loc, seq_lens and slot mapping, block tables of the padded rows (a real
+        row's columns up to its block count: past them vLLM's gather leaves stale words)."""
+        ref_batch, *ref_fields = ref
+        n, padded = batch.num_reqs, batch.num_reqs_after_padding
+        num_blocks = self.runner.block_tables.num_blocks.gpu[0, batch.idx_mapping]
+        diffs = []
+        host = {"req_ids": (ref_batch.req_ids, batch.req_ids),
+                "num_reqs_after_padding": (ref_batch.num_reqs_after_padding, padded),
+                "num_tokens_after_padding": (ref_batch.num_tokens_after_padding,
+                                             batch.num_tokens_after_padding)}
+        for name, (a, b) in host.items():
+            if a != b:
+                diffs.append(f"{name}: vllm {a} zos {b}")
+        for name in ("idx_mapping_np", "query_start_loc_np", "num_computed_tokens_np",
+                     "prefill_len_np", "cu_num_logits_np", "is_prefilling_np",
+                     "num_scheduled_tokens"):
+            if not np.array_equal(getattr(ref_batch, name), getattr(batch, name)):
+                diffs.append(f"{name}: vllm {getattr(ref_batch, name)} zos {getattr(batch, name)}")
+        if not torch.equal(ref_batch.seq_lens_cpu_upper_bound, batch.seq_lens_cpu_upper_bound):
+            diffs.append("seq_lens_cpu_upper_bound")
+        if not torch.equal(ref_batch.logits_indices, batch.logits_indices):
+            diffs.append("logits_indices")
+        names = ("input_ids", "positions", "query_start_loc", "seq_lens", "block_table",
+                 "slot_mapping")
+        for name, a, b in zip(names, ref_fields, self._fields(padded)):
+            if name in ("input_ids", "positions"):
+                a, b = a[:n], b[:n]
+            if name == "block_table":
+                cols = torch.arange(a.shape[1], device=a.device)
+                keep = torch.ones_like(a, dtype=torch.bool)
+                keep[:n] = cols[None, :] < num_blocks[:, None]
+                a, b = a[keep], b[keep]
+            if not torch.equal(a, b):
+                bad = (a != b).nonzero()[:4].flatten().tolist()
+                diffs.append(f"{name} (first differing indices {bad})")
+        self.stats["shadow_steps"] += 1
+        if diffs:
+            self.stats["mismatches"] += len(diffs)
+            if self.stats["first_mismatch"] is None:
+                self.stats["first_mismatch"] = (f"zos step {self.stats['zos_steps']} "
+                                                f"({n} rows): " + "; ".join(diffs))
