@@ -40,7 +40,13 @@ Servers (``--servers``):
   prefill and decode in separate steps (``zos.integrations.hf_scheduler``);
 * ``zos_decode_graphs``: the same as ``zos`` with graphs on the decode path only (prefill
   steps eager; zos's default until 2026-12-03), its config set as ``tf_graphs_async`` sets
-  its own.
+  its own;
+* ``vllm``: ``vllm serve`` (vLLM 0.26) with its defaults on Hopper (asynchronous scheduling,
+  FULL_AND_PIECEWISE CUDA graphs, FlashAttention-3, torch.compile), ``ignore_eos`` set per
+  request; ``vllm_zos``: the same with ``ZOS_VLLM=1`` (zos's plug-in prepares the decode
+  steps, ``zos.integrations.vllm_plugin``). Both write the plug-in's host-time statistics of
+  the whole server run (warm-up included) beside their log (``ZOS_VLLM_STATS``). ``@DIR``: a
+  directory holding vLLM (``bench/vllm_bundle.sh --install``) put first on ``PYTHONPATH``.
 
 A server named ``KIND@DIR`` runs with ``DIR`` first on its ``PYTHONPATH``: another transformers
 release installed there with ``pip install --target`` (e.g. 5.25 beside the machine's 5.17), so
@@ -89,10 +95,13 @@ import urllib.request
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-SERVERS = ("tf_graphs", "tf_graphs_async", "zos", "zos_mixed", "zos_decode_graphs")
+SERVERS = ("tf_graphs", "tf_graphs_async", "zos", "zos_mixed", "zos_decode_graphs", "vllm",
+           "vllm_zos")
+VLLM_SERVERS = ("vllm", "vllm_zos")
 ZOS_SERVERS = ("zos", "zos_mixed", "zos_decode_graphs")
 TF_SERVERS = ("tf_graphs", "tf_graphs_async")
 RATIO = "_over_best_tf"  # key suffix of a zos server's ratios in a level
+VLLM_RATIO = "_over_vllm"  # key suffix of vllm_zos's ratios to vllm in a level
 TF_MAIN = ("import sys; from transformers.cli.transformers import main; "
            "sys.argv = ['transformers', *sys.argv[1:]]; main()")
 ZOS_MAIN = ("import sys; from zos.integrations.serve import main; "
@@ -196,6 +205,12 @@ def parse_server(spec: str) -> tuple[str, str | None, str]:
     kind, _, site = spec.partition("@")
     if kind not in SERVERS:
         raise ValueError(f"server {spec!r}: kind {kind!r} is not one of {SERVERS}")
+    if kind in VLLM_SERVERS:
+        run = subprocess.run([sys.executable, "-c", "import vllm; print(vllm.__version__)"],
+                             env=server_env(site or None), capture_output=True, text=True)
+        if run.returncode:
+            raise ValueError(f"server {spec!r}: vllm does not import: {run.stderr[-500:]}")
+        return kind, site or None, f"{kind}@vllm{run.stdout.strip()}"
     if site and not (Path(site) / "transformers").is_dir():
         raise ValueError(f"server {spec!r}: {site!r} holds no transformers package")
     run = subprocess.run(
@@ -214,10 +229,20 @@ def start_server(kind: str, path: str, args, log: Path, site: str | None = None)
               "--cb-max-batch-tokens", str(args.max_batch_tokens), "--host", "127.0.0.1",
               "--port", str(port), "--log-level", "warning"]
     graphs = [] if args.smoke else ["--cb-use-cuda-graph"]
+    env = server_env(site)
+    if kind in VLLM_SERVERS:  # vLLM's defaults but for the port and dtype
+        cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", path, "--host",
+               "127.0.0.1", "--port", str(port), "--dtype", args.dtype,
+               "--uvicorn-log-level", "warning"]
+        env.update(ZOS_VLLM="1" if kind == "vllm_zos" else "0",
+                   ZOS_VLLM_STATS=str(log.with_suffix(".stats.json")))
+        env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     tail = [path, *common] if kind in ZOS_SERVERS else [
         "serve", path, "--continuous-batching", *graphs, *common]
-    if args.profile:  # the same server under bench/serve_profile.py's sampler and step log
-        if kind in ("zos_decode_graphs", "zos_mixed"):
+    if kind in VLLM_SERVERS and not args.profile:
+        pass  # cmd above
+    elif args.profile:  # the same server under bench/serve_profile.py's sampler and step log
+        if kind in ("zos_decode_graphs", "zos_mixed", *VLLM_SERVERS):
             raise ValueError("--profile runs tf_graphs, tf_graphs_async and zos only")
         mode = {"zos": "zos", "tf_graphs": "tf", "tf_graphs_async": "tf_async"}[kind]
         cmd = [sys.executable, str(Path(__file__).with_name("serve_profile.py")),
@@ -229,7 +254,7 @@ def start_server(kind: str, path: str, args, log: Path, site: str | None = None)
         cmd = [sys.executable, "-m", "zos.serving.cli", "serve", tail[0], *flag, *tail[1:]]
     else:
         cmd = [sys.executable, "-c", CODE[kind], *tail]
-    proc = subprocess.Popen(cmd, env=server_env(site), stdout=log.open("w"),
+    proc = subprocess.Popen(cmd, env=env, stdout=log.open("w"),
                             stderr=subprocess.STDOUT)
     deadline = time.time() + 300
     while time.time() < deadline:
@@ -288,7 +313,8 @@ def open_workload(tokenizer, rate: float, args, seed: int) -> list[tuple[float, 
             for at, (text, n) in zip(arrivals, items)]
 
 
-async def _stream(client, url, model, sid, start, items, t0, stop, drain=float("inf")):
+async def _stream(client, url, model, sid, start, items, t0, stop, drain=float("inf"),
+                  extra=None):
     """Requests of stream ``sid``, one after another, until its items run out or ``stop``
     seconds after ``t0``; a record per request: sent, first and last content chunk
     (perf_counter), completion tokens wanted and received, finish reason, error. An item is
@@ -303,7 +329,7 @@ async def _stream(client, url, model, sid, start, items, t0, stop, drain=float("
         body = dict(model=model, messages=[{"role": "user", "content": text}], stream=True,
                     max_tokens=n, temperature=0, stream_options=dict(include_usage=True),
                     generation_config=json.dumps(dict(max_new_tokens=n, eos_token_id=-1,
-                                                      do_sample=False)))
+                                                      do_sample=False)), **(extra or {}))
         rec = dict(stream=sid, sent=time.perf_counter(), first=None, last=None, wanted=n,
                    tokens=None, chunks=0, finish=None, error=None, closed=False)
         try:
@@ -349,7 +375,7 @@ async def _request(client, url, body, rec, close_after):
                 return  # leaving the block closes the connection mid-stream
 
 
-def _client_process(url, model, streams, t0_wall, stop, drain=float("inf")):
+def _client_process(url, model, streams, t0_wall, stop, drain=float("inf"), extra=None):
     """One client process: its share of the streams, all concurrently; records with times
     shifted to wall-clock seconds (comparable across processes). The HTTP client is the one
     transformers' hub client brings: httpx (huggingface-hub 1.x, transformers 5.17) or its
@@ -365,14 +391,14 @@ def _client_process(url, model, streams, t0_wall, stop, drain=float("inf")):
             t0 = time.perf_counter() + max(0.0, t0_wall - time.time())
             shift = time.time() - time.perf_counter()
             got = await asyncio.gather(*[_stream(client, url, model, sid, s, items, t0, stop,
-                                                 drain) for sid, s, items in streams])
+                                                 drain, extra) for sid, s, items in streams])
         return [{k: (v + shift if k in ("sent", "first", "last", "end") and v else v)
                  for k, v in r.items()} for recs in got for r in recs]
     return asyncio.run(run())
 
 
 def run_level(port: int, model: str, load, procs: int, stop: float = float("inf"),
-              drain: float = float("inf")):
+              drain: float = float("inf"), extra: dict | None = None):
     """Every stream of ``load`` through ``procs`` client processes, sending until ``stop``
     seconds after the level's start and giving up on requests not done ``drain`` seconds after
     it; (all request records, the level's start in wall-clock seconds)."""
@@ -381,7 +407,7 @@ def run_level(port: int, model: str, load, procs: int, stop: float = float("inf"
     shares = [streams[i::procs] for i in range(procs)]
     t0 = time.time() + 1.0  # every process started before the first stream
     with ProcessPoolExecutor(procs) as pool:
-        futs = [pool.submit(_client_process, url, model, share, t0, stop, drain)
+        futs = [pool.submit(_client_process, url, model, share, t0, stop, drain, extra)
                 for share in shares if share]
         return [r for f in futs for r in f.result()], t0
 
@@ -499,11 +525,14 @@ def add_ratios(row: dict) -> None:
     """Per level of one model's ``row``, each zos server's :func:`over_best` the best
     transformers server of the level, whatever release line each runs on (in place)."""
     for lv in row["levels"].values():
-        figs = {k: v for k, v in lv.items() if not k.endswith(RATIO)}
+        figs = {k: v for k, v in lv.items() if not k.endswith((RATIO, VLLM_RATIO))}
         tf = [v for k, v in figs.items() if k.partition("@")[0] in TF_SERVERS]
+        vllm = [v for k, v in figs.items() if k.partition("@")[0] == "vllm"]
         for k, v in figs.items():
             if k.partition("@")[0] in ZOS_SERVERS and tf:
                 lv[k + RATIO] = over_best(v, tf)
+            if k.partition("@")[0] == "vllm_zos" and vllm:
+                lv[k + VLLM_RATIO] = over_best(v, vllm)
 
 
 def merge(paths: list[str], out: Path) -> Path:
@@ -523,7 +552,7 @@ def merge(paths: list[str], out: Path) -> Path:
                                  f"{sorted(row['levels'])} against {sorted(into['levels'])}")
             for c, lv in row["levels"].items():
                 into["levels"].setdefault(c, {}).update(
-                    {k: v for k, v in lv.items() if not k.endswith(RATIO)})
+                    {k: v for k, v in lv.items() if not k.endswith((RATIO, VLLM_RATIO))})
     for row in rows.values():
         add_ratios(row)
     doc = dict(first, date=max(d["date"] for d in docs), merged_from=[
@@ -636,19 +665,20 @@ def main(argv=None) -> int:
         for kind, site, label in servers:
             log = out / f"serve_{name}_{label.replace('@', '_tf')}.log"  # no @ in file names
             proc, port = start_server(kind, mdir, args, log, site)
+            extra = dict(ignore_eos=True) if kind in VLLM_SERVERS else None  # vLLM's field
             try:
                 top = max(levels) if not args.rates else 64
                 warm = workload(tok, top, top, args, seed=7 + top)
                 run_level(port, mdir, [(0.0, [(t, min(n, 16)) for t, n in items])
-                                       for _, items in warm], args.client_procs)
+                                       for _, items in warm], args.client_procs, extra=extra)
                 for c in levels:
                     if args.rates:  # open loop: arrivals over --duration, then a drain
                         recs, t0 = run_level(port, mdir, loads[c], args.client_procs,
-                                             drain=args.duration + args.drain)
+                                             drain=args.duration + args.drain, extra=extra)
                         s = summarize(recs, t0 + args.duration, 0, start=t0)
                     else:
                         recs, t0 = run_level(port, mdir, loads[c], min(args.client_procs, c),
-                                             stop=args.ramp + args.duration)
+                                             stop=args.ramp + args.duration, extra=extra)
                         end, exhausted = window_end(recs, [len(it) for _, it in loads[c]],
                                                     t0 + args.ramp + args.duration)
                         s = summarize(recs, end, exhausted)

@@ -163,13 +163,21 @@ def test_merge_puts_release_lines_in_one_level_and_rates_zos_against_the_best(tm
 
 
 def test_server_spec_names_its_release_and_refuses_a_bad_one(tmp_path):
-    """``KIND@DIR`` runs with DIR first on the path; an unknown kind or a DIR without
-    transformers is refused before any server starts."""
+    """``KIND@DIR`` runs with DIR first on the path; an unknown kind, a DIR without
+    transformers or, for the vLLM servers, a vLLM that does not import is refused before any
+    server starts."""
     import transformers
 
     assert bench_serve.parse_server("zos") == ("zos", None, f"zos@{transformers.__version__}")
-    with pytest.raises(ValueError, match="kind 'vllm'"):
-        bench_serve.parse_server("vllm")
+    with pytest.raises(ValueError, match="kind 'sglang'"):
+        bench_serve.parse_server("sglang")
+    (tmp_path / "vllm").mkdir()
+    (tmp_path / "vllm" / "__init__.py").write_text("__version__ = '0.26.0'")
+    assert bench_serve.parse_server(f"vllm_zos@{tmp_path}") == (
+        "vllm_zos", str(tmp_path), "vllm_zos@vllm0.26.0")
+    (tmp_path / "vllm" / "__init__.py").write_text("raise ImportError('no vllm')")
+    with pytest.raises(ValueError, match="(?s)vllm does not import: .*no vllm"):
+        bench_serve.parse_server(f"vllm@{tmp_path}")
     with pytest.raises(ValueError, match="no transformers"):
         bench_serve.parse_server(f"tf_graphs@{tmp_path}")
     (tmp_path / "transformers").mkdir()

@@ -30,8 +30,11 @@ import torch
 from zos.buckets import BucketTable
 from zos.buffers import DecodeBuffers
 from zos.device_backend import DeviceMetadataBackend
-from zos.integrations.vllm_buffers import VllmDecodeInputs, write_vllm_decode_inputs
+from zos.integrations.vllm_buffers import PAD_SLOT_ID, VllmDecodeInputs
 from zos.integrations.vllm_steps import VllmDecodeSteps, VllmStep
+from zos.triton_kernels.vllm_layout import write_vllm_decode_inputs as _write_kernel
+
+_IDX_SLOTS = 4  # pinned host copies of idx_mapping, each reused once its upload has run
 
 
 def unsupported(runner) -> str | None:
@@ -94,9 +97,27 @@ class ZosVllmPrep:
         ib = runner.input_buffers
         self.out = VllmDecodeInputs(ib.input_ids, ib.positions, ib.query_start_loc, ib.seq_lens,
                                     bt.input_block_tables[0], bt.slot_mappings[0])
-        self.out.check()
+        # checked once here (write_vllm_decode_inputs's checks): every step launches the
+        # kernel over the same tensors, zos's views of one padded size or another
+        _, max_tokens = self.out.check()
+        meta = self.buffers.views(0, self.max_reqs)
+        o = self.out
+        self._write_args = (meta.counts, meta.positions, meta.seq_lens, meta.block_table,
+                            meta.block_table.stride(0), meta.slot_mapping, o.input_ids,
+                            o.positions, o.query_start_loc, o.seq_lens, o.block_table,
+                            o.block_table.stride(0), o.slot_mapping)
+        self._write_sizes = (self.max_reqs, max_tokens, width, o.block_table.shape[1],
+                             PAD_SLOT_ID)
         # persistent tensors the InputBatch of a decode step views (never written by vLLM)
         self.idx_mapping = torch.zeros(self.max_reqs, dtype=torch.int32, device=dev)
+        cuda = dev.type == "cuda"
+        self._idx_host = torch.zeros(_IDX_SLOTS, self.max_reqs, dtype=torch.int32,
+                                     pin_memory=cuda)
+        self._idx_host_np = self._idx_host.numpy()
+        self._idx_done = [torch.cuda.Event() if cuda else None for _ in range(_IDX_SLOTS)]
+        self._idx_slot = 0
+        # compiled now, not in the first decode step: no row yet (counts 0), no padded row
+        self._write(self.idx_mapping, 0)
         self.arange_i32 = torch.arange(self.max_reqs + 1, dtype=torch.int32, device=dev)
         self.arange_i64 = self.arange_i32.to(torch.int64)
         self.zeros_i32 = torch.zeros(self.max_reqs, dtype=torch.int32, device=dev)
@@ -148,7 +169,6 @@ class ZosVllmPrep:
                 bt.slot_mappings[:, :batch.num_tokens_after_padding])
 
     def _prepare(self, vstep: VllmStep, so, batch_desc):
-        from vllm.v1.worker.gpu.buffer_utils import async_copy_to_gpu
         from vllm.v1.worker.gpu.input_batch import InputBatch
         runner, rs = self.runner, self.runner.req_states
         req_ids = vstep.req_ids
@@ -156,9 +176,9 @@ class ZosVllmPrep:
         padded = batch_desc.num_reqs or n
         num_tokens_padded = batch_desc.num_tokens
         idx_np = np.fromiter(map(rs.req_id_to_index.get, req_ids), dtype=np.int32, count=n)
-        idx_mapping = async_copy_to_gpu(idx_np, out=self.idx_mapping[:n])
-        meta = self.backend.prepare(vstep.step)
-        write_vllm_decode_inputs(meta, idx_mapping, rs.last_sampled_tokens, self.out, padded)
+        idx_mapping = self._upload_idx(idx_np)
+        self.backend.prepare(vstep.step)
+        self._write(idx_mapping, padded)
         num_computed = rs.num_computed_tokens_np[idx_np]
         upper = np.zeros(padded, dtype=np.int32)
         np.add(num_computed, 1, out=upper[:n])
@@ -184,6 +204,30 @@ class ZosVllmPrep:
             logits_indices=self.arange_i64[:n], cu_num_logits=self.arange_i32[:n + 1],
             cu_num_logits_np=self.arange_np[:n + 1].copy(),
             has_structured_output_reqs=so.has_structured_output_requests, prompt_lens=None)
+
+    def _write(self, idx_mapping: torch.Tensor, padded: int) -> None:
+        """The step zos's prep built last into vLLM's tensors, padded to ``padded`` rows
+        (``write_vllm_decode_inputs``'s kernel, its checks made at construction)."""
+        c, p, sl, bt, bts, sm, *outs = self._write_args
+        last = self.runner.req_states.last_sampled_tokens
+        _write_kernel[(self.max_reqs + 1,)](c, idx_mapping, last, last.stride(0), p, sl, bt, bts,
+                                           sm, *outs, padded, *self._write_sizes, BLOCK=256)
+
+    def _upload_idx(self, idx_np: np.ndarray) -> torch.Tensor:
+        """``idx_np`` into ``self.idx_mapping`` through the next pinned slot (waiting, if
+        ever, for that slot's previous upload); returns the device view."""
+        k = self._idx_slot
+        self._idx_slot = (k + 1) % _IDX_SLOTS
+        n = len(idx_np)
+        done = self._idx_done[k]
+        if done is not None:
+            done.synchronize()
+        self._idx_host_np[k, :n] = idx_np
+        out = self.idx_mapping[:n]
+        out.copy_(self._idx_host[k, :n], non_blocking=True)
+        if done is not None:
+            done.record()
+        return out
 
     def _fields(self, padded: int) -> tuple[torch.Tensor, ...]:
         """Views of what a decode step writes: input ids, positions, query_start_loc,
