@@ -56,6 +56,8 @@ def run(args) -> dict:
     os.environ["ZOS_VLLM"] = "0" if args.mode == "vllm" else "1"
     os.environ["ZOS_VLLM_SHADOW"] = "1" if args.mode == "shadow" else "0"
     stats_path = args.out + ".stats.json"
+    if os.path.exists(stats_path):
+        os.remove(stats_path)
     os.environ["ZOS_VLLM_STATS"] = stats_path
     from vllm import LLM, SamplingParams
 
@@ -80,10 +82,10 @@ def run(args) -> dict:
         steps += 1
     wall = time.perf_counter() - t0
     tokens = sum(map(len, outputs.values()))
-    del llm, engine
-    import gc
-    gc.collect()
-    stats = json.load(open(stats_path)) if os.path.exists(stats_path) else None
+    engine.engine_core.shutdown()  # the worker writes the plug-in's statistics
+    stats = json.load(open(stats_path))
+    if args.mode == "shadow" and (stats["zos"]["mismatches"] or not stats["zos"]["shadow_steps"]):
+        print(f"shadow comparison failed: {stats['zos']}", file=sys.stderr)
     return dict(mode=args.mode, requests=len(outputs), steps=steps, wall_s=wall,
                 output_tokens=tokens, tokens_per_s=tokens / wall, plugin=stats,
                 outputs=outputs)

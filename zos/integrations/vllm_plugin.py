@@ -22,7 +22,7 @@ Variables (read once, in :func:`register`):
   ``ZOS_VLLM=0`` too (vLLM's own time).
 
 Raises (from :func:`register`): ValueError for a variable set to another value; RuntimeError
-when ``ZOS_VLLM=1`` and the installed vLLM is not 0.26.0.
+when ``ZOS_VLLM=1`` or ``ZOS_VLLM_STATS`` is set and the installed vLLM is not 0.26.0.
 """
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ def register() -> None:
         return
     import vllm
     if vllm.__version__ != VLLM_VERSION:
-        raise RuntimeError(f"ZOS_VLLM=1: zos's vLLM plug-in is written against vLLM "
+        raise RuntimeError(f"ZOS_VLLM / ZOS_VLLM_STATS: zos's vLLM plug-in is written against vLLM "
                            f"{VLLM_VERSION} (model runner v2), found {vllm.__version__}")
     from vllm.v1.worker import gpu_model_runner as v1
     from vllm.v1.worker.gpu import model_runner as v2
@@ -69,8 +69,8 @@ def _install(cls, v1_cls, *, on: bool, shadow: bool, stats_path: str | None) -> 
     init_kv, execute, prep_inputs, prep_attn = (
         cls.initialize_kv_cache, cls.execute_model, cls.prepare_inputs, cls.prepare_attn)
 
-    def initialize_kv_cache(self, kv_cache_config):
-        init_kv(self, kv_cache_config)
+    def initialize_kv_cache(self, kv_cache_config, *args, **kwargs):
+        init_kv(self, kv_cache_config, *args, **kwargs)
         self._zos = None
         self._zos_timing = _Timing(self, stats_path, zos=on) if stats_path else None
         if not on:
@@ -107,9 +107,7 @@ def _install(cls, v1_cls, *, on: bool, shadow: bool, stats_path: str | None) -> 
         z = getattr(self, "_zos", None)
         batch = None
         if z is not None:
-            batch = z.prepare_inputs(scheduler_output, batch_desc,
-                                     lambda so, bd: prep_inputs(self, so, bd),
-                                     lambda b: prep_attn(self, b))
+            batch = z.prepare_inputs(scheduler_output, batch_desc, prep_inputs, prep_attn)
             self._zos_batch = batch
         return batch if batch is not None else prep_inputs(self, scheduler_output, batch_desc)
 
@@ -126,9 +124,9 @@ def _install(cls, v1_cls, *, on: bool, shadow: bool, stats_path: str | None) -> 
 
     v1_init_kv = v1_cls.initialize_kv_cache
 
-    def v1_initialize_kv_cache(self, kv_cache_config):
-        v1_init_kv(self, kv_cache_config)
-        if on:
+    def v1_initialize_kv_cache(self, *args, **kwargs):
+        v1_init_kv(self, *args, **kwargs)
+        if on and not kwargs.get("is_profiling"):
             log.warning("zos: vLLM runs its V1 model runner for this model, not runner v2: "
                         "zos prepares no step (VLLM_USE_V2_MODEL_RUNNER=1 asks for v2)")
 
@@ -145,7 +143,10 @@ class _Timing:
     output where zos is on."""
 
     def __init__(self, runner, path: str, *, zos: bool) -> None:
-        self.path, self.mode, self.prep = path, "zos" if zos else "vllm", None
+        import torch.distributed as dist
+        if dist.is_initialized() and dist.get_world_size() > 1:  # one file per worker
+            path = f"{path}.rank{dist.get_rank()}"
+        self.path, self.mode, self.prep, self.written = path, "zos" if zos else "vllm", None, False
         self.start = self.observe_s = 0.0
         self.decode_us: list[float] = []
         self.other_us: list[float] = []
@@ -164,6 +165,10 @@ class _Timing:
         (self.decode_us if decode else self.other_us).append(us)
 
     def write(self) -> None:
+        if self.written:
+            return
+        self.written = True
+
         def summary(xs):
             a = np.asarray(xs)
             return dict(steps=len(xs), **({} if not xs else dict(

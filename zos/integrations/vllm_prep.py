@@ -59,6 +59,9 @@ def unsupported(runner) -> str | None:
             runner.model_config.rswa_window is not None,
         "VLLM_MOE_SKIP_PADDING": bool(VLLM_MOE_SKIP_PADDING),
         "an encoder-decoder model": runner.is_encoder_decoder,
+        "more than one token per decode row (decode_query_len)": runner.decode_query_len != 1,
+        # vLLM frees the KV-cache pool zos's tensors live in when it sleeps
+        "sleep mode": runner.model_config.enable_sleep_mode,
     }
     found = [name for name, hit in reasons.items() if hit]
     return ", ".join(found) or None
@@ -142,17 +145,20 @@ class ZosVllmPrep:
                        vllm_prepare_attn):
         """runner v2's ``InputBatch`` for this step, or None when it is vLLM's to prepare.
         Writes the step's six fields into the runner's persistent tensors. In shadow mode
-        calls ``vllm_prepare_inputs(scheduler_output, batch_desc)`` and
-        ``vllm_prepare_attn(batch)`` first and compares."""
+        calls vLLM's ``vllm_prepare_inputs(runner, scheduler_output, batch_desc)`` and
+        ``vllm_prepare_attn(runner, batch)`` first and compares."""
         vstep, self.pending = self.pending, None
         if vstep is None:
             self.stats["vllm_steps"] += 1
             return None
         ref = None
         if self.shadow:
-            ref_batch = vllm_prepare_inputs(scheduler_output, batch_desc)
-            vllm_prepare_attn(ref_batch)
-            ref = (ref_batch, *(t.clone() for t in self._fields(ref_batch.num_reqs_after_padding)))
+            ref_batch = vllm_prepare_inputs(self.runner, scheduler_output, batch_desc)
+            vllm_prepare_attn(self.runner, ref_batch)
+            fields = self._fields(ref_batch.num_reqs, ref_batch.num_reqs_after_padding)
+            ref = (ref_batch, *(t.clone() for t in fields))
+            for t in fields:  # a word zos fails to write must not keep vLLM's value
+                t.fill_(-7)
         t0 = time.perf_counter()
         batch = self._prepare(vstep, scheduler_output, batch_desc)
         self.stats["prep_s"] += time.perf_counter() - t0
@@ -229,55 +235,59 @@ class ZosVllmPrep:
             done.record()
         return out
 
-    def _fields(self, padded: int) -> tuple[torch.Tensor, ...]:
-        """Views of what a decode step writes: input ids, positions, query_start_loc,
-        seq_lens, the padded rows' block tables, the slot mapping (whole rows: both pad it to
-        the end)."""
+    _FIELDS = ("input_ids", "positions", "query_start_loc", "seq_lens", "block_table",
+               "slot_mapping")
+
+    def _fields(self, n: int, padded: int) -> tuple[torch.Tensor, ...]:
+        """Views of what a decode step of ``n`` rows padded to ``padded`` writes (``_FIELDS``):
+        the real rows' input ids and positions (the padded token rows keep what they held,
+        in both), the whole query_start_loc, seq_lens and slot mapping, the padded rows' block
+        tables."""
         o = self.out
-        return (o.input_ids, o.positions, o.query_start_loc, o.seq_lens,
+        return (o.input_ids[:n], o.positions[:n], o.query_start_loc, o.seq_lens,
                 o.block_table[:padded], o.slot_mapping)
 
     def compare(self, ref, batch) -> None:
         """Count the fields of ``batch`` (zos's) that differ from ``ref`` (vLLM's batch and
-        the copies of its writes): host fields, ids and positions of the real rows, the whole
-        query_start_loc, seq_lens and slot mapping, block tables of the padded rows (a real
-        row's columns up to its block count: past them vLLM's gather leaves stale words)."""
+        the copies of its writes, after which the written words were set to -7): host fields,
+        the device tensors of the batch, :meth:`_fields` (a real row's block-table columns up
+        to its block count: past them vLLM's gather leaves stale words)."""
         ref_batch, *ref_fields = ref
-        n, padded = batch.num_reqs, batch.num_reqs_after_padding
-        num_blocks = self.runner.block_tables.num_blocks.gpu[0, batch.idx_mapping]
-        diffs = []
-        host = {"req_ids": (ref_batch.req_ids, batch.req_ids),
-                "num_reqs_after_padding": (ref_batch.num_reqs_after_padding, padded),
-                "num_tokens_after_padding": (ref_batch.num_tokens_after_padding,
-                                             batch.num_tokens_after_padding)}
-        for name, (a, b) in host.items():
-            if a != b:
-                diffs.append(f"{name}: vllm {a} zos {b}")
+        n, padded = ref_batch.num_reqs, ref_batch.num_reqs_after_padding
+        diffs = [f"{name}: vllm {getattr(ref_batch, name)} zos {getattr(batch, name)}"
+                 for name in ("req_ids", "num_reqs", "num_reqs_after_padding", "num_tokens",
+                              "num_tokens_after_padding", "num_draft_tokens",
+                              "has_structured_output_reqs")
+                 if getattr(ref_batch, name) != getattr(batch, name)]
+        if diffs:  # the device fields would not line up
+            self._mismatch(diffs, n)
+            return
         for name in ("idx_mapping_np", "query_start_loc_np", "num_computed_tokens_np",
-                     "prefill_len_np", "cu_num_logits_np", "is_prefilling_np",
-                     "num_scheduled_tokens"):
+                     "prefill_len_np", "num_computed_prefill_tokens_np", "cu_num_logits_np",
+                     "is_prefilling_np", "num_scheduled_tokens"):
             if not np.array_equal(getattr(ref_batch, name), getattr(batch, name)):
                 diffs.append(f"{name}: vllm {getattr(ref_batch, name)} zos {getattr(batch, name)}")
-        if not torch.equal(ref_batch.seq_lens_cpu_upper_bound, batch.seq_lens_cpu_upper_bound):
-            diffs.append("seq_lens_cpu_upper_bound")
-        if not torch.equal(ref_batch.logits_indices, batch.logits_indices):
-            diffs.append("logits_indices")
-        names = ("input_ids", "positions", "query_start_loc", "seq_lens", "block_table",
-                 "slot_mapping")
-        for name, a, b in zip(names, ref_fields, self._fields(padded)):
-            if name in ("input_ids", "positions"):
-                a, b = a[:n], b[:n]
+        for name in ("seq_lens_cpu_upper_bound", "idx_mapping", "expanded_idx_mapping",
+                     "expanded_local_pos", "logits_indices", "cu_num_logits"):
+            a, b = getattr(ref_batch, name), getattr(batch, name)
+            if a.shape != b.shape or not torch.equal(a, b):
+                diffs.append(f"InputBatch.{name}")
+        num_blocks = self.runner.block_tables.num_blocks.gpu[0, ref_batch.idx_mapping]
+        for name, a, b in zip(self._FIELDS, ref_fields, self._fields(n, padded)):
             if name == "block_table":
                 cols = torch.arange(a.shape[1], device=a.device)
                 keep = torch.ones_like(a, dtype=torch.bool)
                 keep[:n] = cols[None, :] < num_blocks[:, None]
-                a, b = a[keep], b[keep]
+                a, b = torch.where(keep, a, 0), torch.where(keep, b, 0)
             if not torch.equal(a, b):
-                bad = (a != b).nonzero()[:4].flatten().tolist()
+                bad = (a != b).nonzero()[:4].tolist()
                 diffs.append(f"{name} (first differing indices {bad})")
         self.stats["shadow_steps"] += 1
         if diffs:
-            self.stats["mismatches"] += len(diffs)
-            if self.stats["first_mismatch"] is None:
-                self.stats["first_mismatch"] = (f"zos step {self.stats['zos_steps']} "
-                                                f"({n} rows): " + "; ".join(diffs))
+            self._mismatch(diffs, n)
+
+    def _mismatch(self, diffs: list[str], n: int) -> None:
+        self.stats["mismatches"] += len(diffs)
+        if self.stats["first_mismatch"] is None:
+            self.stats["first_mismatch"] = (f"zos step {self.stats['zos_steps']} ({n} rows): "
+                                            + "; ".join(diffs))
