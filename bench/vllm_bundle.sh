@@ -12,8 +12,9 @@
 # other CUDA kernel packages vLLM imports lazily; mcp and the OpenTelemetry exporters (tool servers,
 # tracing). So set VLLM_USE_FLASHINFER_SAMPLER=0 and keep the attention backend FLASH_ATTN.
 #
-# On the device (each call <= 64 MiB carried; the repository itself is ~3 MB). /tmp lives only
-# while the machine stays warm (30 s after a call), so make the calls back to back:
+# On the device (each call <= 64 MiB carried; the repository itself is ~4 MB). /tmp lives only
+# while the machine stays warm (30 s after a call), so make the calls back to back (done so on
+# an H100, 2026-12-06: install ~40 s, then bench/vllm_check.py and vllm serve ran):
 #   call 1: carry [DIR/vllm-slim.tar.xz.part1of2]
 #           command: mkdir -p /tmp/vllm_parts && cp -r DIR/. /tmp/vllm_parts/
 #   call 2: carry [DIR/vllm-slim.tar.xz.part2of2, DIR/vllm-slim.tar.xz.sha256, DIR/wheels]
