@@ -119,10 +119,21 @@ def write_vllm_decode_inputs(meta: StepMetadata, idx_mapping: torch.Tensor,
     if rows > max_reqs or width > out.block_table.shape[1]:
         raise ValueError(f"meta's block table [{rows}, {width}] does not fit out's "
                          f"{tuple(out.block_table.shape)}")
+    launch_unchecked(meta, idx_mapping, last_sampled_tokens, out, padded_reqs, max_reqs,
+                     max_tokens)
+
+
+def launch_unchecked(meta: StepMetadata, idx_mapping: torch.Tensor,
+                     last_sampled_tokens: torch.Tensor, out: VllmDecodeInputs, padded_reqs: int,
+                     max_reqs: int, max_tokens: int) -> None:
+    """:func:`write_vllm_decode_inputs`'s launch without its checks, for a caller that made
+    them once for tensors it launches over every step (``max_reqs, max_tokens`` from
+    :meth:`VllmDecodeInputs.check`; ``meta`` any view of the same buffers: the kernel reads
+    the real row count from ``meta.counts``)."""
     _kernel[(max_reqs + 1,)](
         meta.counts, idx_mapping, last_sampled_tokens, last_sampled_tokens.stride(0),
         meta.positions, meta.seq_lens, meta.block_table,
         meta.block_table.stride(0), meta.slot_mapping, out.input_ids, out.positions,
         out.query_start_loc, out.seq_lens, out.block_table, out.block_table.stride(0),
-        out.slot_mapping, padded_reqs, max_reqs, max_tokens, width, out.block_table.shape[1],
-        PAD_SLOT_ID, BLOCK=256)
+        out.slot_mapping, padded_reqs, max_reqs, max_tokens, meta.block_table.shape[1],
+        out.block_table.shape[1], PAD_SLOT_ID, BLOCK=256)

@@ -30,9 +30,8 @@ import torch
 from zos.buckets import BucketTable
 from zos.buffers import DecodeBuffers
 from zos.device_backend import DeviceMetadataBackend
-from zos.integrations.vllm_buffers import PAD_SLOT_ID, VllmDecodeInputs
+from zos.integrations.vllm_buffers import VllmDecodeInputs, launch_unchecked
 from zos.integrations.vllm_steps import VllmDecodeSteps, VllmStep
-from zos.triton_kernels.vllm_layout import write_vllm_decode_inputs as _write_kernel
 
 _IDX_SLOTS = 4  # pinned host copies of idx_mapping, each reused once its upload has run
 
@@ -102,15 +101,8 @@ class ZosVllmPrep:
                                     bt.input_block_tables[0], bt.slot_mappings[0])
         # checked once here (write_vllm_decode_inputs's checks): every step launches the
         # kernel over the same tensors, zos's views of one padded size or another
-        _, max_tokens = self.out.check()
-        meta = self.buffers.views(0, self.max_reqs)
-        o = self.out
-        self._write_args = (meta.counts, meta.positions, meta.seq_lens, meta.block_table,
-                            meta.block_table.stride(0), meta.slot_mapping, o.input_ids,
-                            o.positions, o.query_start_loc, o.seq_lens, o.block_table,
-                            o.block_table.stride(0), o.slot_mapping)
-        self._write_sizes = (self.max_reqs, max_tokens, width, o.block_table.shape[1],
-                             PAD_SLOT_ID)
+        self._max_tokens = self.out.check()[1]
+        self._meta = self.buffers.views(0, self.max_reqs)
         # persistent tensors the InputBatch of a decode step views (never written by vLLM)
         self.idx_mapping = torch.zeros(self.max_reqs, dtype=torch.int32, device=dev)
         cuda = dev.type == "cuda"
@@ -214,10 +206,8 @@ class ZosVllmPrep:
     def _write(self, idx_mapping: torch.Tensor, padded: int) -> None:
         """The step zos's prep built last into vLLM's tensors, padded to ``padded`` rows
         (``write_vllm_decode_inputs``'s kernel, its checks made at construction)."""
-        c, p, sl, bt, bts, sm, *outs = self._write_args
-        last = self.runner.req_states.last_sampled_tokens
-        _write_kernel[(self.max_reqs + 1,)](c, idx_mapping, last, last.stride(0), p, sl, bt, bts,
-                                           sm, *outs, padded, *self._write_sizes, BLOCK=256)
+        launch_unchecked(self._meta, idx_mapping, self.runner.req_states.last_sampled_tokens,
+                         self.out, padded, self.max_reqs, self._max_tokens)
 
     def _upload_idx(self, idx_np: np.ndarray) -> torch.Tensor:
         """``idx_np`` into ``self.idx_mapping`` through the next pinned slot (waiting, if
