@@ -18,7 +18,8 @@ Variables (read once, in :func:`register`):
   field (slower; for checking).
 * ``ZOS_VLLM_STATS``: a path: at shutdown the worker writes there, as JSON, its step counts,
   the shadow comparison's result and the host time of input preparation per decode step
-  (``prepare_inputs`` to the end of ``prepare_attn``, plus zos's mirror); works with
+  (``prepare_inputs`` to the end of ``prepare_attn``, plus zos's mirror) and, with zos on, its
+  parts (``mirror_s``, ``prep_s`` and ``phase_s`` in seconds over the run); works with
   ``ZOS_VLLM=0`` too (vLLM's own time).
 
 Raises (from :func:`register`): ValueError for a variable set to another value; RuntimeError
@@ -95,6 +96,7 @@ def _install(cls, v1_cls, *, on: bool, shadow: bool, stats_path: str | None) -> 
         z.observe(scheduler_output)
         if timing is not None:
             timing.observe_s = time.perf_counter() - t0
+            timing.observe_total_s += timing.observe_s
         try:
             return execute(self, scheduler_output, *args, **kwargs)
         finally:
@@ -147,7 +149,7 @@ class _Timing:
         if dist.is_initialized() and dist.get_world_size() > 1:  # one file per worker
             path = f"{path}.rank{dist.get_rank()}"
         self.path, self.mode, self.prep, self.written = path, "zos" if zos else "vllm", None, False
-        self.start = self.observe_s = 0.0
+        self.start = self.observe_s = self.observe_total_s = 0.0
         self.decode_us: list[float] = []
         self.other_us: list[float] = []
         atexit.register(self.write)
@@ -175,6 +177,6 @@ class _Timing:
                 median_us=float(np.median(a)), p90_us=float(np.percentile(a, 90)))))
         out = dict(mode=self.mode, decode=summary(self.decode_us), other=summary(self.other_us))
         if self.prep is not None:
-            out["zos"] = self.prep.stats
+            out["zos"] = dict(self.prep.stats, mirror_s=self.observe_total_s)
         with open(self.path, "w") as f:
             json.dump(out, f, indent=1)

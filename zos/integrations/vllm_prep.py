@@ -77,7 +77,9 @@ class ZosVllmPrep:
     Attributes:
         stats: ``zos_steps``, ``vllm_steps`` (steps vLLM prepared), ``shadow_steps``,
             ``mismatches`` (fields that differed, summed over steps), ``first_mismatch`` (a
-            description or None), ``prep_s`` (host seconds in zos's ``prepare_inputs``).
+            description or None), ``prep_s`` (host seconds in zos's ``prepare_inputs``),
+            ``phase_s`` (three parts of it: the idx_mapping upload, zos's stage and build,
+            the write launch; the rest builds runner v2's ``InputBatch``).
     """
 
     def __init__(self, runner, *, shadow: bool = False) -> None:
@@ -119,7 +121,8 @@ class ZosVllmPrep:
         self.arange_np = np.arange(self.max_reqs + 1, dtype=np.int32)
         self.pending: VllmStep | None = None
         self.stats = dict(zos_steps=0, vllm_steps=0, shadow_steps=0, mismatches=0,
-                          first_mismatch=None, prep_s=0.0)
+                          first_mismatch=None, prep_s=0.0,
+                          phase_s=dict(idx_mapping=0.0, zos_prep=0.0, write=0.0))
 
     def observe(self, scheduler_output) -> None:
         """Every scheduler output, in order, before the runner reads it: the mirror follows
@@ -173,10 +176,18 @@ class ZosVllmPrep:
         n = len(req_ids)
         padded = batch_desc.num_reqs or n
         num_tokens_padded = batch_desc.num_tokens
+        clock, phase = time.perf_counter, self.stats["phase_s"]
+        t0 = clock()
         idx_np = np.fromiter(map(rs.req_id_to_index.get, req_ids), dtype=np.int32, count=n)
         idx_mapping = self._upload_idx(idx_np)
+        t1 = clock()
         self.backend.prepare(vstep.step)
+        t2 = clock()
         self._write(idx_mapping, padded)
+        t3 = clock()
+        phase["idx_mapping"] += t1 - t0
+        phase["zos_prep"] += t2 - t1
+        phase["write"] += t3 - t2
         num_computed = rs.num_computed_tokens_np[idx_np]
         upper = np.zeros(padded, dtype=np.int32)
         np.add(num_computed, 1, out=upper[:n])
