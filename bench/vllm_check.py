@@ -13,8 +13,11 @@ joining a few per step (Poisson), greedy, ``ignore_eos``, under a KV cache of
 
 Writes ``--out`` (JSON): each request's output token ids, the steps, the wall time, the
 tokens/s of the run and the plug-in's statistics (``ZOS_VLLM_STATS``). ``--compare A B``
-compares two such files' outputs. Everything else (attention backend, CUDA graphs,
-asynchronous scheduling) is vLLM's default for the model.
+compares two such files' outputs; ``--profile PATH`` writes where the host time of the
+run went (cProfile, which slows small Python calls: compare shares, not times);
+``--gpu-idle START STEPS`` the GPU's idle time between kernels over those steps. Everything
+else (attention backend, CUDA graphs, asynchronous scheduling) is vLLM's default for the
+model.
 
     python bench/vllm_check.py --model DIR --mode zos --out zos.json
     python bench/vllm_check.py --compare vllm.json zos.json
@@ -22,10 +25,13 @@ asynchronous scheduling) is vLLM's default for the model.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import os
+import pstats
 import random
 import sys
+import tempfile
 import time
 
 
@@ -68,8 +74,17 @@ def run(args) -> dict:
     reqs = workload(args)
     outputs: dict[str, list[int]] = {}
     i = steps = 0
+    profiler = cProfile.Profile() if args.profile else None
     t0 = time.perf_counter()
+    if profiler:
+        profiler.enable()
+    window = None  # the torch.profiler of --gpu-idle's steps
     while i < len(reqs) or engine.has_unfinished_requests():
+        if args.gpu_idle and steps == args.gpu_idle[0]:
+            window = torch_profiler()
+            window.__enter__()
+        if window is not None and steps == sum(args.gpu_idle):
+            window.__exit__(None, None, None)
         while i < len(reqs) and reqs[i][0] <= steps:
             _, prompt, max_tokens = reqs[i]
             engine.add_request(f"r{i}", {"prompt_token_ids": prompt},
@@ -81,14 +96,52 @@ def run(args) -> dict:
                 outputs[out.request_id] = list(out.outputs[0].token_ids)
         steps += 1
     wall = time.perf_counter() - t0
+    if profiler:
+        profiler.disable()
+        with open(args.profile, "w") as f:
+            for key in ("tottime", "cumulative"):
+                pstats.Stats(profiler, stream=f).sort_stats(key).print_stats(60)
+    idle = None
+    if window is not None:
+        if steps < sum(args.gpu_idle):
+            window.__exit__(None, None, None)
+        idle = gpu_idle(window, min(steps, sum(args.gpu_idle)) - args.gpu_idle[0])
     tokens = sum(map(len, outputs.values()))
     engine.engine_core.shutdown()  # the worker writes the plug-in's statistics
     stats = json.load(open(stats_path))
     if args.mode == "shadow" and (stats["zos"]["mismatches"] or not stats["zos"]["shadow_steps"]):
         print(f"shadow comparison failed: {stats['zos']}", file=sys.stderr)
     return dict(mode=args.mode, requests=len(outputs), steps=steps, wall_s=wall,
-                output_tokens=tokens, tokens_per_s=tokens / wall, plugin=stats,
+                output_tokens=tokens, tokens_per_s=tokens / wall, plugin=stats, gpu_idle=idle,
                 outputs=outputs)
+
+
+def torch_profiler():
+    from torch.profiler import ProfilerActivity, profile
+    return profile(activities=[ProfilerActivity.CUDA])
+
+
+def gpu_idle(prof, steps: int) -> dict:
+    """The GPU's busy and idle time over the profiled steps: the union of its kernels',
+    copies' and memsets' intervals (CUDA graphs' kernels included) against the span from
+    the first to the last."""
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        events = json.load(open(f.name))["traceEvents"]
+    spans = sorted((e["ts"], e["ts"] + e.get("dur", 0)) for e in events
+                   if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
+    busy, end = 0.0, None
+    for a, b in spans:
+        if end is None or a > end:
+            busy += b - a
+            end = b
+        elif b > end:
+            busy += b - end
+            end = b
+    span = spans[-1][1] - spans[0][0] if spans else 0.0
+    return dict(steps=steps, span_ms=span / 1e3, busy_ms=busy / 1e3,
+                idle_frac=1 - busy / span if span else None,
+                idle_us_per_step=(span - busy) / steps if steps else None)
 
 
 def compare(a_path: str, b_path: str) -> int:
@@ -112,6 +165,12 @@ def main() -> int:
     ap.add_argument("--num-gpu-blocks", type=int, default=600,
                     help="KV blocks (vLLM's num_gpu_blocks_override); small forces preemption")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--profile", metavar="PATH",
+                    help="cProfile the step loop (engine core and worker: one process) into "
+                         "PATH, by own time and by cumulative time")
+    ap.add_argument("--gpu-idle", type=int, nargs=2, metavar=("START", "STEPS"),
+                    help="torch.profiler over engine steps START .. START+STEPS: the GPU's "
+                         "busy and idle time there (gpu_idle in --out)")
     ap.add_argument("--compare", nargs=2, metavar=("A", "B"))
     args = ap.parse_args()
     if args.compare:

@@ -799,3 +799,41 @@ def test_stage_and_prepare_refuse_a_capturing_backend_stream(staging):
     want = host.prepare(step)
     torch.cuda.synchronize()
     _same_fields_then_sample(i, want, got, rng, step.num_reqs, host, dev)
+
+
+# --- the epilogue: a runner's launch after every build, inside the prep graphs ----------------
+
+@pytest.mark.parametrize("capture", CAPTURE)
+def test_epilogue_reads_every_build(capture):
+    """``epilogue(padded_size)`` runs after the prep kernels of each build (in the prep graph
+    under ``capture_prep``): a copy of the built positions and row count taken there equals
+    the step's metadata, for bucketed, eager and empty steps."""
+    gen = TraceGen(5, max_num_reqs=24, block_size=BS, max_blocks=W, num_kv_blocks=NUM_BLOCKS,
+                   vocab=VOCAB, big=True)
+    seen_positions = torch.full((24,), -1, dtype=torch.int32, device=DEVICE)
+    seen_counts = torch.full((2,), -1, dtype=torch.int32, device=DEVICE)
+    sizes = []
+
+    def copy_out(padded_size):
+        sizes.append(padded_size)
+        bufs = dev.buffers
+        seen_positions.copy_(bufs.positions[:24])
+        seen_counts.copy_(bufs.counts)
+
+    bufs = DecodeBuffers(24, W, BS, device=DEVICE)
+    dev = DeviceMetadataBackend(bufs, num_kv_blocks=NUM_BLOCKS, vocab_size=VOCAB,
+                                buckets=BucketTable([1, 2, 4, 8, 16]),
+                                capture_prep=capture, epilogue=copy_out)
+    for _ in range(25):
+        step, rows = gen.next_step()
+        sizes.clear()
+        md = dev.prepare(step)
+        n = len(rows)
+        assert seen_counts.tolist() == md.counts.tolist() == [n, n]
+        assert seen_positions[:n].tolist() == md.positions[:n].tolist()
+        assert sizes in ([], [md.padded_size]) if capture else sizes == [md.padded_size]
+        seen_counts.fill_(-1)
+        toks = torch.from_numpy(gen.sampled(rows))
+        bufs.sampled[:n] = toks.to(DEVICE)
+    dev.build(0)
+    assert seen_counts.tolist() == [0, 0]

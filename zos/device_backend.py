@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from zos._interpret import check_triton_device
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -75,6 +77,12 @@ class DeviceMetadataBackend(MetadataBackend):
             count comes from the staged record, so one graph serves every N in
             the bucket). A runner that captures prep together with the model
             passes False and calls ``build`` inside its own capture.
+        epilogue: ``epilogue(padded_size)``, called right after the prep kernels of every
+            build (eager, captured by a runner, or into this backend's prep graphs, so that
+            ``prepare``'s one native call launches it too): a runner's own launches that
+            read the built metadata (e.g. a copy into an engine's persistent tensors). It
+            must enqueue device work on the current stream only, capturable, reading the row
+            count N on the device (``buffers.counts[0]``), never on the host.
         stream: the ``torch.cuda.Stream`` the upload (or the ring's fences) is enqueued on,
             on the buffers' device; None (default) takes ``torch.cuda.current_stream(device)``
             now, at construction (later changes of the current stream are not followed).
@@ -101,7 +109,8 @@ class DeviceMetadataBackend(MetadataBackend):
     def __init__(self, buffers: DecodeBuffers, *, num_kv_blocks: int, vocab_size: int,
                  buckets: BucketTable | None = None, capture_prep: bool = False,
                  stream: torch.cuda.Stream | None = None, staging: str = "mapped",
-                 ring_slots: int = 4, dense_record: bool = False) -> None:
+                 ring_slots: int = 4, dense_record: bool = False,
+                 epilogue: Callable[[int], None] | None = None) -> None:
         check_triton_device(buffers.device, "DeviceMetadataBackend: buffers")
         if staging not in STAGING_MODES:
             raise ValueError(f"staging must be one of {STAGING_MODES}, got {staging!r}")
@@ -126,6 +135,7 @@ class DeviceMetadataBackend(MetadataBackend):
         self._seq = 0  # SEQ of the last record staged for a build
         self._built = 0  # SEQ staged when the last build was enqueued (== _seq: a repeat)
         self._prep = PrepState(buffers)
+        self._epilogue = epilogue
         self._upload = self._ring = self._native = None  # _native: the ring's or the upload's
         if staging == "mapped":
             self._ring = StagingRing(ring_slots, words, buffers.device)
@@ -296,6 +306,8 @@ class DeviceMetadataBackend(MetadataBackend):
         joined = order.before_build() if order is not None else None
         if padded_size == 0:  # an empty step: no rows, and no real row either
             self.buffers.counts.zero_()
+            if self._epilogue is not None:
+                self._epilogue(0)
         else:
             graph_exec = self._graph_execs.get(padded_size)
             capturing = joined is not None and order.capturing
@@ -306,7 +318,7 @@ class DeviceMetadataBackend(MetadataBackend):
             if padded_size not in self._graphs or capturing:
                 # No graph of this size, or captured into the caller's graph: the kernels
                 # themselves (a graph launch cannot be captured on a stream).
-                launch_prep(self.buffers, padded_size, **self._prep_args)
+                self._launch_prep(padded_size)
             elif graph_exec is not None:
                 # One cuGraphLaunch on the current stream (``self.stream`` when the ordering
                 # found the build there): replay() would also refill the random generators'
@@ -341,11 +353,16 @@ class DeviceMetadataBackend(MetadataBackend):
         if getattr(self, "_order", None) is not None and native is not None:
             native.set_build_events(0, 0)  # the events die with this backend, the ring may not
 
+    def _launch_prep(self, padded_size: int) -> None:
+        """The prep kernels for ``padded_size`` rows and the epilogue (a prep graph's body)."""
+        launch_prep(self.buffers, padded_size, **self._prep_args)
+        if self._epilogue is not None:
+            self._epilogue(padded_size)
+
     def _capture(self, buckets: BucketTable) -> None:
         # Warm-up finds no new record (every ring slot and the staging header hold N = 0,
         # SEQ 0) and applies an N = 0 record: dummy rows only, the ring state unchanged.
         self.buffers.staging[:HEADER_WORDS].zero_()
-        self._graphs = capture_per_bucket(
-            buckets.sizes, lambda s: launch_prep(self.buffers, s, **self._prep_args))
+        self._graphs = capture_per_bucket(buckets.sizes, self._launch_prep)
         if all(hasattr(g, "raw_cuda_graph_exec") for g in self._graphs.values()):  # torch >= 2.9
             self._graph_execs = {s: g.raw_cuda_graph_exec() for s, g in self._graphs.items()}

@@ -5,10 +5,11 @@ its KV cache is initialised. For every scheduler output it updates zos's mirror
 (:class:`~zos.integrations.vllm_steps.VllmDecodeSteps`); for a pure-decode step it replaces what
 runner v2's ``prepare_inputs`` and ``prepare_attn`` do on the device (the ``query_start_loc``
 upload and the four kernels ``prepare_pos_seq_lens``, ``combine_sampled_and_draft_tokens``,
-``gather_block_tables``, ``compute_slot_mappings``) by zos's staged record, zos's prep (its
-per-bucket prep graph: one native call) and one launch of
-:func:`~zos.integrations.vllm_buffers.write_vllm_decode_inputs` into runner v2's own persistent
-tensors, and builds the ``InputBatch`` runner v2 would build (its host fields from vLLM's own
+``gather_block_tables``, ``compute_slot_mappings``) by zos's staged record, zos's prep and the
+kernel of :func:`~zos.integrations.vllm_buffers.write_vllm_decode_inputs` into runner v2's own
+persistent tensors (on CUDA captured together, the write as the build's epilogue, in zos's
+prep graph of each padded size: one native call stages the record and launches both), and
+builds the ``InputBatch`` runner v2 would build (its host fields from vLLM's own
 request state, so attention metadata, sampling and output handling stay vLLM's). Prefill and
 mixed steps are vLLM's.
 
@@ -78,8 +79,10 @@ class ZosVllmPrep:
         stats: ``zos_steps``, ``vllm_steps`` (steps vLLM prepared), ``shadow_steps``,
             ``mismatches`` (fields that differed, summed over steps), ``first_mismatch`` (a
             description or None), ``prep_s`` (host seconds in zos's ``prepare_inputs``),
-            ``phase_s`` (three parts of it: the idx_mapping upload, zos's stage and build,
-            the write launch; the rest builds runner v2's ``InputBatch``).
+            ``phase_s`` (two parts of it: the idx_mapping upload; zos's ``prepare``, i.e.
+            stage, build and write, on CUDA one native call; the rest builds runner v2's
+            ``InputBatch``), ``rewrites`` (steps vLLM padded to another size than zos's
+            bucket: the write launched a second time).
     """
 
     def __init__(self, runner, *, shadow: bool = False) -> None:
@@ -95,9 +98,6 @@ class ZosVllmPrep:
                    if s <= self.max_reqs]
         buckets = BucketTable(sorted(set(capture) | {self.max_reqs}), name="vllm")
         self.buffers = DecodeBuffers(self.max_reqs, width, self.block_size, device=dev)
-        self.backend = DeviceMetadataBackend(
-            self.buffers, num_kv_blocks=runner.kv_cache_config.num_blocks,
-            vocab_size=runner.vocab_size, buckets=buckets, capture_prep=dev.type == "cuda")
         ib = runner.input_buffers
         self.out = VllmDecodeInputs(ib.input_ids, ib.positions, ib.query_start_loc, ib.seq_lens,
                                     bt.input_block_tables[0], bt.slot_mappings[0])
@@ -113,16 +113,28 @@ class ZosVllmPrep:
         self._idx_host_np = self._idx_host.numpy()
         self._idx_done = [torch.cuda.Event() if cuda else None for _ in range(_IDX_SLOTS)]
         self._idx_slot = 0
-        # compiled now, not in the first decode step: no row yet (counts 0), no padded row
-        self._write(self.idx_mapping, 0)
-        self.arange_i32 = torch.arange(self.max_reqs + 1, dtype=torch.int32, device=dev)
-        self.arange_i64 = self.arange_i32.to(torch.int64)
-        self.zeros_i32 = torch.zeros(self.max_reqs, dtype=torch.int32, device=dev)
+        # the write is the epilogue of every zos build: on CUDA inside zos's prep graph of
+        # each padded size, so a step's stage, build and write are one native call
+        self.backend = DeviceMetadataBackend(
+            self.buffers, num_kv_blocks=runner.kv_cache_config.num_blocks,
+            vocab_size=runner.vocab_size, buckets=buckets, capture_prep=cuda,
+            epilogue=self._write)
+        if not cuda:  # compiled now, not in the first decode step (a CUDA capture did it)
+            self._write(0)
+        arange = torch.arange(self.max_reqs + 1, dtype=torch.int32, device=dev)
+        arange_i64 = arange.to(torch.int64)
+        zeros = torch.zeros(self.max_reqs, dtype=torch.int32, device=dev)
         self.arange_np = np.arange(self.max_reqs + 1, dtype=np.int32)
+        # the views an InputBatch of n rows padded to p rows and t tokens holds, made once
+        rows = range(self.max_reqs + 1)
+        self._views_n = [(self.idx_mapping[:n], zeros[:n], arange_i64[:n],
+                          arange[:n + 1]) for n in rows]
+        self._views_p = [(ib.query_start_loc[:p + 1], ib.seq_lens[:p]) for p in rows]
+        self._views_t = {}
         self.pending: VllmStep | None = None
         self.stats = dict(zos_steps=0, vllm_steps=0, shadow_steps=0, mismatches=0,
-                          first_mismatch=None, prep_s=0.0,
-                          phase_s=dict(idx_mapping=0.0, zos_prep=0.0, write=0.0))
+                          first_mismatch=None, prep_s=0.0, rewrites=0,
+                          phase_s=dict(idx_mapping=0.0, prepare=0.0))
 
     def observe(self, scheduler_output) -> None:
         """Every scheduler output, in order, before the runner reads it: the mirror follows
@@ -179,50 +191,55 @@ class ZosVllmPrep:
         clock, phase = time.perf_counter, self.stats["phase_s"]
         t0 = clock()
         idx_np = np.fromiter(map(rs.req_id_to_index.get, req_ids), dtype=np.int32, count=n)
-        idx_mapping = self._upload_idx(idx_np)
+        self._upload_idx(idx_np)
         t1 = clock()
-        self.backend.prepare(vstep.step)
+        md = self.backend.prepare(vstep.step)  # its write pads to zos's padded size
+        if md.padded_size != padded:  # vLLM padded otherwise: its padding written again
+            self._write(padded)
+            self.stats["rewrites"] += 1
         t2 = clock()
-        self._write(idx_mapping, padded)
-        t3 = clock()
         phase["idx_mapping"] += t1 - t0
-        phase["zos_prep"] += t2 - t1
-        phase["write"] += t3 - t2
+        phase["prepare"] += t2 - t1
         num_computed = rs.num_computed_tokens_np[idx_np]
         upper = np.zeros(padded, dtype=np.int32)
         np.add(num_computed, 1, out=upper[:n])
         prefill_len = rs.prefill_len.np[idx_np]
         computed_prefill = rs.num_computed_prefill_tokens[idx_np]
-        ib = runner.input_buffers
+        idx_mapping, zeros, logits_indices, cu_num_logits = self._views_n[n]
+        query_start_loc, seq_lens = self._views_p[padded]
+        tokens = self._views_t.get(num_tokens_padded)
+        if tokens is None:
+            ib = runner.input_buffers
+            tokens = self._views_t[num_tokens_padded] = tuple(
+                t[:num_tokens_padded] for t in (ib.input_ids, ib.positions, ib.is_padding))
         return InputBatch(
             req_ids=req_ids, num_reqs=n, num_reqs_after_padding=padded,
             idx_mapping=idx_mapping, idx_mapping_np=idx_np,
-            expanded_idx_mapping=idx_mapping, expanded_local_pos=self.zeros_i32[:n],
+            expanded_idx_mapping=idx_mapping, expanded_local_pos=zeros,
             num_scheduled_tokens=np.ones(n, dtype=np.int32), num_tokens=n,
             num_tokens_after_padding=num_tokens_padded, num_draft_tokens=0,
             num_draft_tokens_per_req=None,
-            query_start_loc=ib.query_start_loc[:padded + 1],
+            query_start_loc=query_start_loc,
             query_start_loc_np=np.minimum(self.arange_np[:padded + 1], n),
-            seq_lens=ib.seq_lens[:padded], seq_lens_cpu_upper_bound=torch.from_numpy(upper),
+            seq_lens=seq_lens, seq_lens_cpu_upper_bound=torch.from_numpy(upper),
             dcp_local_seq_lens=None, num_computed_tokens_np=num_computed,
             prefill_len_np=prefill_len, num_computed_prefill_tokens_np=computed_prefill,
             is_prefilling_np=computed_prefill < prefill_len, max_seq_len_np=None,
-            input_ids=ib.input_ids[:num_tokens_padded],
-            positions=ib.positions[:num_tokens_padded],
-            is_padding=ib.is_padding[:num_tokens_padded],
-            logits_indices=self.arange_i64[:n], cu_num_logits=self.arange_i32[:n + 1],
+            input_ids=tokens[0], positions=tokens[1], is_padding=tokens[2],
+            logits_indices=logits_indices, cu_num_logits=cu_num_logits,
             cu_num_logits_np=self.arange_np[:n + 1].copy(),
             has_structured_output_reqs=so.has_structured_output_requests, prompt_lens=None)
 
-    def _write(self, idx_mapping: torch.Tensor, padded: int) -> None:
+    def _write(self, padded: int) -> None:
         """The step zos's prep built last into vLLM's tensors, padded to ``padded`` rows
-        (``write_vllm_decode_inputs``'s kernel, its checks made at construction)."""
-        launch_unchecked(self._meta, idx_mapping, self.runner.req_states.last_sampled_tokens,
+        (``write_vllm_decode_inputs``'s kernel, its checks made at construction), each row's
+        input token through ``self.idx_mapping``."""
+        launch_unchecked(self._meta, self.idx_mapping, self.runner.req_states.last_sampled_tokens,
                          self.out, padded, self.max_reqs, self._max_tokens)
 
-    def _upload_idx(self, idx_np: np.ndarray) -> torch.Tensor:
+    def _upload_idx(self, idx_np: np.ndarray) -> None:
         """``idx_np`` into ``self.idx_mapping`` through the next pinned slot (waiting, if
-        ever, for that slot's previous upload); returns the device view."""
+        ever, for that slot's previous upload)."""
         k = self._idx_slot
         self._idx_slot = (k + 1) % _IDX_SLOTS
         n = len(idx_np)
@@ -230,11 +247,9 @@ class ZosVllmPrep:
         if done is not None:
             done.synchronize()
         self._idx_host_np[k, :n] = idx_np
-        out = self.idx_mapping[:n]
-        out.copy_(self._idx_host[k, :n], non_blocking=True)
+        self.idx_mapping[:n].copy_(self._idx_host[k, :n], non_blocking=True)
         if done is not None:
             done.record()
-        return out
 
     _FIELDS = ("input_ids", "positions", "query_start_loc", "seq_lens", "block_table",
                "slot_mapping")

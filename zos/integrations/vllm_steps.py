@@ -38,18 +38,15 @@ sampled last: new rows stage the placeholder token 0, and every row's input toke
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import compress, repeat
+from operator import is_not
 
 import numpy as np
 
 from zos._checks import check_int
 from zos.step import DecodeStep
 
-
-@dataclass
-class _Request:
-    blocks: list[int]  # the request's block ids (KV-cache group 0), the scheduler's
-    num_computed_tokens: int
-    prefill_len: int  # tokens prefilled before its first decode (runner v2's prefill_len)
+_NONE = np.zeros(0, np.int32)
 
 
 @dataclass(frozen=True)
@@ -70,6 +67,11 @@ class VllmStep:
 class VllmDecodeSteps:
     """The mirror of vLLM's requests and the rows of the last zos step.
 
+    Each request vLLM runs holds a slot of the mirror's arrays (its block ids, computed tokens,
+    prefill length, and its zos id, position and block count in the last zos step), so a step
+    costs a dict lookup per row and numpy over the rows; only requests that get blocks in a
+    step are visited one by one.
+
     Args:
         block_size: tokens per KV block (vLLM's ``cache_config.block_size``).
         max_num_reqs: rows zos's buffers hold (vLLM's ``max_num_seqs``).
@@ -88,13 +90,30 @@ class VllmDecodeSteps:
         self.max_num_reqs = check_int("max_num_reqs", max_num_reqs)
         self.max_num_blocks_per_req = check_int("max_num_blocks_per_req", max_num_blocks_per_req)
         self.speculative = check_int("num_speculative_tokens", num_speculative_tokens, lo=0) > 0
-        self.requests: dict[str, _Request] = {}
         self.single_group = True  # False once a request holds blocks of two KV-cache groups
-        # vLLM request id -> (zos id, position, number of blocks) of the last zos step's rows;
-        # a step that is not zos's empties it (zos's row state on the device no longer follows
-        # vLLM's)
-        self.prev: dict[str, tuple[int, int, int]] = {}
+        self.slot_of: dict[str, int] = {}  # vLLM request id -> its slot
+        self._free: list[int] = []
+        self._grow(max_num_reqs)
+        self._stamp = 0  # counts _build calls: a step's stamp is >= 1
+        # the stamp of the last zos step, 0 after a step that is not zos's (zos's row state
+        # on the device no longer follows vLLM's): a row carries over only from that step
+        self._prev = 0
         self.next_id = 0
+        self._cached_slots: list[int] = []  # the last output's cached requests' slots
+
+    def _grow(self, slots: int) -> None:
+        """Room for ``slots`` requests (the arrays keep their rows)."""
+        old = len(self._free) + len(self.slot_of)
+        width = self.max_num_blocks_per_req
+        new = {"blocks": np.zeros((slots, width), np.int32),
+               **{name: np.zeros(slots, np.int64) for name in (
+                   "num_blocks", "computed", "prefill_len", "zid", "last_stamp", "last_pos",
+                   "last_num_blocks")}}
+        for name, arr in new.items():
+            if old:
+                arr[:old] = getattr(self, name)
+            setattr(self, name, arr)
+        self._free.extend(range(slots - 1, old - 1, -1))
 
     def step(self, scheduler_output) -> VllmStep | None:
         """Read one ``SchedulerOutput`` (every step's, in order: the mirror follows them all)
@@ -111,77 +130,95 @@ class VllmDecodeSteps:
 
     def forget(self) -> None:
         """No row carries over to the next step (a returned step was refused or not run)."""
-        self.prev = {}
+        self._prev = 0
+
+    def _set_blocks(self, slot: int, start: int, block_ids: list[int]) -> None:
+        """Block ids ``block_ids`` at columns ``start`` on of ``slot`` (those past the block
+        table are counted, not kept: a row holding them is vLLM's to prepare)."""
+        end = start + len(block_ids)
+        keep = min(end, self.max_num_blocks_per_req)
+        if keep > start:
+            self.blocks[slot, start:keep] = block_ids[:keep - start]
+        self.num_blocks[slot] = end
 
     def _observe(self, so) -> None:
         """The mirror after ``so``: finished and preempted requests leave, new ones come with
         all their blocks, cached ones get this step's blocks and computed tokens."""
+        slot_of = self.slot_of
         for gone in (so.finished_req_ids, so.preempted_req_ids or ()):
             for rid in gone:
-                self.requests.pop(rid, None)
+                slot = slot_of.pop(rid, None)
+                if slot is not None:
+                    self._free.append(slot)
         for new in so.scheduled_new_reqs:
             self.single_group &= len(new.block_ids) == 1
             tokens = (new.prompt_token_ids if new.prefill_token_ids is None
                       else new.prefill_token_ids)
-            self.requests[new.req_id] = _Request(list(new.block_ids[0]), new.num_computed_tokens,
-                                                 len(tokens))
+            if not self._free:
+                self._grow(2 * len(self.slot_of))
+            slot = slot_of[new.req_id] = self._free.pop()
+            self._set_blocks(slot, 0, new.block_ids[0])
+            self.computed[slot] = new.num_computed_tokens
+            self.prefill_len[slot] = len(tokens)
+            self.last_stamp[slot] = -1  # a new lifetime: in no zos step yet
         cached = so.scheduled_cached_reqs
-        for rid, blocks, computed in zip(cached.req_ids, cached.new_block_ids,
-                                         cached.num_computed_tokens):
-            req = self.requests.get(rid)
-            if req is None:
-                raise ValueError(f"scheduler_output: cached request {rid!r} was never scheduled "
-                                 f"as new: step() must see every SchedulerOutput, in order")
-            if blocks is not None:
-                self.single_group &= len(blocks) == 1
-                if rid in cached.resumed_req_ids:  # runner v1's resume: blocks replaced
-                    req.blocks = list(blocks[0])
-                else:
-                    req.blocks.extend(blocks[0])
-            req.num_computed_tokens = computed
+        try:
+            slots = list(map(slot_of.__getitem__, cached.req_ids))
+        except KeyError as e:
+            raise ValueError(f"scheduler_output: cached request {e.args[0]!r} was never "
+                             f"scheduled as new: step() must see every SchedulerOutput, in "
+                             f"order") from None
+        self._cached_slots = slots
+        self.computed[slots] = np.fromiter(cached.num_computed_tokens, np.int64, len(slots))
+        new_block_ids = cached.new_block_ids
+        for i in compress(range(len(slots)), map(is_not, new_block_ids, repeat(None))):
+            blocks, slot = new_block_ids[i], slots[i]
+            self.single_group &= len(blocks) == 1
+            replaced = cached.req_ids[i] in cached.resumed_req_ids  # runner v1's resume
+            self._set_blocks(slot, 0 if replaced else int(self.num_blocks[slot]), blocks[0])
 
     def _build(self, so) -> VllmStep | None:
+        self._stamp += 1
         n = len(so.num_scheduled_tokens)
         if (self.speculative or not self.single_group or not 0 < n <= self.max_num_reqs
                 or so.total_num_scheduled_tokens != n or so.scheduled_new_reqs
                 or so.scheduled_spec_decode_tokens):
-            self.prev = {}
+            self._prev = 0
             return None
-        bs, top = self.block_size, self.max_num_blocks_per_req * self.block_size
         req_ids = list(so.num_scheduled_tokens)  # vLLM's order for a uniform step
-        prev_get = self.prev.get
-        ids, rows = [], {}
-        new_rows, new_positions, indptr, flat = [], [], [0], []
-        app_rows, app_blocks = [], []
-        next_id = self.next_id
-        for i, rid in enumerate(req_ids):
-            req = self.requests[rid]
-            pos, blocks = req.num_computed_tokens, req.blocks
-            if (pos < req.prefill_len or pos >= top
-                    or not pos // bs < len(blocks) <= self.max_num_blocks_per_req):
-                self.prev = {}
-                return None
-            prev = prev_get(rid)
-            # carried: in the last zos step one position back (its block list can only have
-            # grown since: vLLM replaces a request's blocks only when it prefills again)
-            if prev is not None and prev[1] == pos - 1:
-                zid, _, k = prev
-                app_rows.extend([i] * (len(blocks) - k))
-                app_blocks.extend(blocks[k:])
-            else:
-                zid = next_id
-                next_id += 1
-                new_rows.append(i)
-                new_positions.append(pos)
-                flat.extend(blocks)
-                indptr.append(len(flat))
-            ids.append(zid)
-            rows[rid] = (zid, pos, len(blocks))
-        i32, none = np.int32, np.zeros(0, np.int32)
-        step = DecodeStep(np.array(ids, np.int64), np.array(new_rows, i32),
-                          np.zeros(len(new_rows), i32), np.array(new_positions, i32),
-                          np.array(indptr, i32), np.array(flat, i32),
-                          np.array(app_rows, i32), np.array(app_blocks, i32),
-                          none, np.zeros(1, i32), none)
-        self.prev, self.next_id = rows, next_id
+        cached = so.scheduled_cached_reqs
+        slots = np.array(self._cached_slots if req_ids == cached.req_ids
+                         else list(map(self.slot_of.__getitem__, req_ids)), np.intp)
+        pos, num_blocks = self.computed[slots], self.num_blocks[slots]
+        width = self.max_num_blocks_per_req
+        if ((pos < self.prefill_len[slots]) | (pos >= width * self.block_size)
+                | (pos // self.block_size >= num_blocks) | (num_blocks > width)).any():
+            self._prev = 0
+            return None
+        # carried: a row of the last zos step one position back (its block list can only have
+        # grown since: vLLM replaces a request's blocks only when it prefills again)
+        carried = (self.last_stamp[slots] == self._prev) & (self.last_pos[slots] == pos - 1)
+        new_rows = np.flatnonzero(~carried)
+        new_slots = slots[new_rows]
+        self.zid[new_slots] = np.arange(self.next_id, self.next_id + len(new_rows))
+        self.next_id += len(new_rows)
+        new_counts = num_blocks[new_rows]
+        indptr = np.zeros(len(new_rows) + 1, np.int32)
+        np.cumsum(new_counts, out=indptr[1:])
+        flat = self.blocks[new_slots][np.arange(width) < new_counts[:, None]]
+        # carried rows that got blocks since: the blocks past the ones zos holds
+        before = self.last_num_blocks[slots]
+        grown = np.flatnonzero(carried & (num_blocks > before))
+        counts = num_blocks[grown] - before[grown]
+        app_rows = np.repeat(grown, counts)
+        cols = np.arange(len(app_rows)) + np.repeat(before[grown] - np.cumsum(counts) + counts,
+                                                    counts)
+        app_blocks = self.blocks[slots[app_rows], cols]
+        self.last_stamp[slots] = self._prev = self._stamp
+        self.last_pos[slots], self.last_num_blocks[slots] = pos, num_blocks
+        i32 = np.int32
+        step = DecodeStep(self.zid[slots], new_rows.astype(i32), np.zeros(len(new_rows), i32),
+                          pos[new_rows].astype(i32), indptr, flat.astype(i32),
+                          app_rows.astype(i32), app_blocks.astype(i32), _NONE,
+                          np.zeros(1, i32), _NONE)
         return VllmStep(step, req_ids)
