@@ -78,13 +78,14 @@ def run(args) -> dict:
     t0 = time.perf_counter()
     if profiler:
         profiler.enable()
-    window = None  # the torch.profiler of --gpu-idle's steps
+    window, window_steps = None, 0  # --gpu-idle's torch.profiler, the steps it saw
     while i < len(reqs) or engine.has_unfinished_requests():
         if args.gpu_idle and steps == args.gpu_idle[0]:
             window = torch_profiler()
-            window.__enter__()
+            window.start()
         if window is not None and steps == sum(args.gpu_idle):
-            window.__exit__(None, None, None)
+            window.stop()
+            window_steps = args.gpu_idle[1]
         while i < len(reqs) and reqs[i][0] <= steps:
             _, prompt, max_tokens = reqs[i]
             engine.add_request(f"r{i}", {"prompt_token_ids": prompt},
@@ -103,9 +104,10 @@ def run(args) -> dict:
                 pstats.Stats(profiler, stream=f).sort_stats(key).print_stats(60)
     idle = None
     if window is not None:
-        if steps < sum(args.gpu_idle):
-            window.__exit__(None, None, None)
-        idle = gpu_idle(window, min(steps, sum(args.gpu_idle)) - args.gpu_idle[0])
+        if not window_steps:  # the run ended inside the window
+            window.stop()
+            window_steps = steps - args.gpu_idle[0]
+        idle = gpu_idle(window, window_steps)
     tokens = sum(map(len, outputs.values()))
     engine.engine_core.shutdown()  # the worker writes the plug-in's statistics
     stats = json.load(open(stats_path))

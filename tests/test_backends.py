@@ -814,9 +814,8 @@ def test_epilogue_reads_every_build(capture):
     seen_counts = torch.full((2,), -1, dtype=torch.int32, device=DEVICE)
     sizes = []
 
-    def copy_out(padded_size):
+    def copy_out(padded_size):  # also runs at construction: warm-up and capture per bucket
         sizes.append(padded_size)
-        bufs = dev.buffers
         seen_positions.copy_(bufs.positions[:24])
         seen_counts.copy_(bufs.counts)
 
@@ -824,6 +823,7 @@ def test_epilogue_reads_every_build(capture):
     dev = DeviceMetadataBackend(bufs, num_kv_blocks=NUM_BLOCKS, vocab_size=VOCAB,
                                 buckets=BucketTable([1, 2, 4, 8, 16]),
                                 capture_prep=capture, epilogue=copy_out)
+    assert sorted(set(sizes)) == ([1, 2, 4, 8, 16] if capture else [])
     for _ in range(25):
         step, rows = gen.next_step()
         sizes.clear()

@@ -55,8 +55,12 @@ def not_called(*args):
     raise AssertionError("vLLM's own preparation runs only in shadow mode")
 
 
+@pytest.mark.parametrize("padding", ["bucket", "none", "max"])
 @pytest.mark.parametrize("seed,budget,max_running,num_blocks", [(0, 7, 5, 19), (3, 16, 12, 40)])
-def test_decode_steps_as_runner_v2_builds_them(seed, budget, max_running, num_blocks):
+def test_decode_steps_as_runner_v2_builds_them(seed, budget, max_running, num_blocks, padding):
+    """vLLM pads a step to its captured size (zos's bucket: the write inside zos's build), or
+    not at all (no CUDA graph: ``batch_desc.num_reqs`` None), or to another size than zos's
+    bucket (zos writes again with vLLM's)."""
     rng = random.Random(seed)
     sim = Scheduler(rng, budget, max_running, num_blocks)
     runner = stand_in_runner(num_blocks)
@@ -90,10 +94,11 @@ def test_decode_steps_as_runner_v2_builds_them(seed, budget, max_running, num_bl
         if not so.num_scheduled_tokens:
             continue
         n = len(so.num_scheduled_tokens)
-        padded = next(s for s in CAPTURE if s >= n)
+        padded = {"bucket": next(s for s in CAPTURE if s >= n), "none": n,
+                  "max": MAX_REQS}[padding]
+        desc = SimpleNamespace(num_reqs=None if padding == "none" else padded, num_tokens=padded)
         prep.observe(so)
-        batch = prep.prepare_inputs(so, SimpleNamespace(num_reqs=padded, num_tokens=padded),
-                                    not_called, not_called)
+        batch = prep.prepare_inputs(so, desc, not_called, not_called)
         prep.finish_step()
         pure = (so.total_num_scheduled_tokens == n and not so.scheduled_new_reqs
                 and all(rs.num_computed_tokens_np[rs.req_id_to_index[r]]
@@ -134,3 +139,5 @@ def test_decode_steps_as_runner_v2_builds_them(seed, budget, max_running, num_bl
         assert slot_mapping.shape == (1, padded)
     assert built > 10 and sim.preemptions > 0
     assert prep.stats["zos_steps"] == built
+    bucketed = prep.stats["zos_steps"] - prep.stats["rewrites"]
+    assert bucketed == built if padding == "bucket" else bucketed < built

@@ -232,3 +232,16 @@ def test_a_step_the_mirror_missed_is_an_error():
     steps = VllmDecodeSteps(block_size=BS, max_num_reqs=4, max_num_blocks_per_req=WIDTH)
     with pytest.raises(ValueError, match="cached request 'b' was never scheduled as new"):
         steps.step(decode_of("b", 3))
+
+
+def test_a_live_request_sent_again_as_new_keeps_one_slot():
+    """vLLM sends a live request again as new without finishing it (a streaming-input
+    update; runner v2's ``add_requests`` replaces it): the mirror replaces it in place, and
+    the next decode step stages it as a new row with the blocks it was sent with."""
+    steps = VllmDecodeSteps(block_size=BS, max_num_reqs=1, max_num_blocks_per_req=WIDTH)
+    for out in (admitted("a", 5), admitted("a", 6), admitted("b", 3)):
+        assert steps.step(out) is None
+    step = steps.step(decode_of("a", 6)).step
+    assert step.new_rows.tolist() == [0] and step.new_positions.tolist() == [6]
+    assert step.new_block_ids.tolist() == [1, 2]
+    assert steps.step(decode_of("b", 3)).step.new_positions.tolist() == [3]

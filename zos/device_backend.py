@@ -79,10 +79,11 @@ class DeviceMetadataBackend(MetadataBackend):
             passes False and calls ``build`` inside its own capture.
         epilogue: ``epilogue(padded_size)``, called right after the prep kernels of every
             build (eager, captured by a runner, or into this backend's prep graphs, so that
-            ``prepare``'s one native call launches it too): a runner's own launches that
-            read the built metadata (e.g. a copy into an engine's persistent tensors). It
-            must enqueue device work on the current stream only, capturable, reading the row
-            count N on the device (``buffers.counts[0]``), never on the host.
+            ``prepare``'s one native call launches it too; with ``capture_prep`` also here,
+            by the warm-up and capture of every bucket, with N = 0): a runner's own launches
+            that read the built metadata (e.g. a copy into an engine's persistent tensors).
+            It must enqueue device work on the current stream only, capturable, reading the
+            row count N on the device (``buffers.counts[0]``), never on the host.
         stream: the ``torch.cuda.Stream`` the upload (or the ring's fences) is enqueued on,
             on the buffers' device; None (default) takes ``torch.cuda.current_stream(device)``
             now, at construction (later changes of the current stream are not followed).

@@ -115,12 +115,23 @@ class ZosVllmPrep:
         self._idx_slot = 0
         # the write is the epilogue of every zos build: on CUDA inside zos's prep graph of
         # each padded size, so a step's stage, build and write are one native call
+        meta, idx, sampled, out = (self._meta, self.idx_mapping,
+                                   runner.req_states.last_sampled_tokens, self.out)
+        max_reqs, max_tokens = self.max_reqs, self._max_tokens
+
+        def write(padded: int) -> None:
+            """The step zos built last into vLLM's tensors, padded to ``padded`` rows
+            (``write_vllm_decode_inputs``'s kernel, its checks made above), each row's input
+            token through ``self.idx_mapping``. No reference to ``self``: the backend holds
+            it, and a cycle would leave the backend's release to the garbage collector."""
+            launch_unchecked(meta, idx, sampled, out, padded, max_reqs, max_tokens)
+        self._write = write
         self.backend = DeviceMetadataBackend(
             self.buffers, num_kv_blocks=runner.kv_cache_config.num_blocks,
             vocab_size=runner.vocab_size, buckets=buckets, capture_prep=cuda,
-            epilogue=self._write)
+            epilogue=write)
         if not cuda:  # compiled now, not in the first decode step (a CUDA capture did it)
-            self._write(0)
+            write(0)
         arange = torch.arange(self.max_reqs + 1, dtype=torch.int32, device=dev)
         arange_i64 = arange.to(torch.int64)
         zeros = torch.zeros(self.max_reqs, dtype=torch.int32, device=dev)
@@ -229,13 +240,6 @@ class ZosVllmPrep:
             logits_indices=logits_indices, cu_num_logits=cu_num_logits,
             cu_num_logits_np=self.arange_np[:n + 1].copy(),
             has_structured_output_reqs=so.has_structured_output_requests, prompt_lens=None)
-
-    def _write(self, padded: int) -> None:
-        """The step zos's prep built last into vLLM's tensors, padded to ``padded`` rows
-        (``write_vllm_decode_inputs``'s kernel, its checks made at construction), each row's
-        input token through ``self.idx_mapping``."""
-        launch_unchecked(self._meta, self.idx_mapping, self.runner.req_states.last_sampled_tokens,
-                         self.out, padded, self.max_reqs, self._max_tokens)
 
     def _upload_idx(self, idx_np: np.ndarray) -> None:
         """``idx_np`` into ``self.idx_mapping`` through the next pinned slot (waiting, if

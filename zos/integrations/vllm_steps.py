@@ -38,15 +38,14 @@ sampled last: new rows stage the placeholder token 0, and every row's input toke
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import compress, repeat
-from operator import is_not
 
 import numpy as np
 
 from zos._checks import check_int
 from zos.step import DecodeStep
 
-_NONE = np.zeros(0, np.int32)
+_NONE, _ZERO = np.zeros(0, np.int32), np.zeros(1, np.int32)  # shared by steps: read only
+_NONE.flags.writeable = _ZERO.flags.writeable = False
 
 
 @dataclass(frozen=True)
@@ -93,6 +92,7 @@ class VllmDecodeSteps:
         self.single_group = True  # False once a request holds blocks of two KV-cache groups
         self.slot_of: dict[str, int] = {}  # vLLM request id -> its slot
         self._free: list[int] = []
+        self._slots = 0  # the arrays' rows
         self._grow(max_num_reqs)
         self._stamp = 0  # counts _build calls: a step's stamp is >= 1
         # the stamp of the last zos step, 0 after a step that is not zos's (zos's row state
@@ -103,7 +103,7 @@ class VllmDecodeSteps:
 
     def _grow(self, slots: int) -> None:
         """Room for ``slots`` requests (the arrays keep their rows)."""
-        old = len(self._free) + len(self.slot_of)
+        old, self._slots = self._slots, slots
         width = self.max_num_blocks_per_req
         new = {"blocks": np.zeros((slots, width), np.int32),
                **{name: np.zeros(slots, np.int64) for name in (
@@ -154,9 +154,11 @@ class VllmDecodeSteps:
             self.single_group &= len(new.block_ids) == 1
             tokens = (new.prompt_token_ids if new.prefill_token_ids is None
                       else new.prefill_token_ids)
-            if not self._free:
-                self._grow(2 * len(self.slot_of))
-            slot = slot_of[new.req_id] = self._free.pop()
+            slot = slot_of.get(new.req_id)  # live and sent again as new: its slot is reused
+            if slot is None:
+                if not self._free:
+                    self._grow(2 * self._slots)
+                slot = slot_of[new.req_id] = self._free.pop()
             self._set_blocks(slot, 0, new.block_ids[0])
             self.computed[slot] = new.num_computed_tokens
             self.prefill_len[slot] = len(tokens)
@@ -170,12 +172,12 @@ class VllmDecodeSteps:
                              f"order") from None
         self._cached_slots = slots
         self.computed[slots] = np.fromiter(cached.num_computed_tokens, np.int64, len(slots))
-        new_block_ids = cached.new_block_ids
-        for i in compress(range(len(slots)), map(is_not, new_block_ids, repeat(None))):
-            blocks, slot = new_block_ids[i], slots[i]
-            self.single_group &= len(blocks) == 1
-            replaced = cached.req_ids[i] in cached.resumed_req_ids  # runner v1's resume
-            self._set_blocks(slot, 0 if replaced else int(self.num_blocks[slot]), blocks[0])
+        for i, blocks in enumerate(cached.new_block_ids):
+            if blocks is not None:
+                self.single_group &= len(blocks) == 1
+                slot = slots[i]
+                replaced = cached.req_ids[i] in cached.resumed_req_ids  # runner v1's resume
+                self._set_blocks(slot, 0 if replaced else int(self.num_blocks[slot]), blocks[0])
 
     def _build(self, so) -> VllmStep | None:
         self._stamp += 1
@@ -218,7 +220,6 @@ class VllmDecodeSteps:
         self.last_pos[slots], self.last_num_blocks[slots] = pos, num_blocks
         i32 = np.int32
         step = DecodeStep(self.zid[slots], new_rows.astype(i32), np.zeros(len(new_rows), i32),
-                          pos[new_rows].astype(i32), indptr, flat.astype(i32),
-                          app_rows.astype(i32), app_blocks.astype(i32), _NONE,
-                          np.zeros(1, i32), _NONE)
+                          pos[new_rows].astype(i32), indptr, flat, app_rows.astype(i32),
+                          app_blocks, _NONE, _ZERO, _NONE)
         return VllmStep(step, req_ids)
