@@ -38,6 +38,7 @@ sampled last: new rows stage the placeholder token 0, and every row's input toke
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 
 import numpy as np
 
@@ -99,7 +100,7 @@ class VllmDecodeSteps:
         # on the device no longer follows vLLM's): a row carries over only from that step
         self._prev = 0
         self.next_id = 0
-        self._cached_slots: list[int] = []  # the last output's cached requests' slots
+        self._cached_slots = np.zeros(0, np.intp)  # the last output's cached requests' slots
 
     def _grow(self, slots: int) -> None:
         """Room for ``slots`` requests (the arrays keep their rows)."""
@@ -165,19 +166,39 @@ class VllmDecodeSteps:
             self.last_stamp[slot] = -1  # a new lifetime: in no zos step yet
         cached = so.scheduled_cached_reqs
         try:
-            slots = list(map(slot_of.__getitem__, cached.req_ids))
+            slots = np.fromiter(map(slot_of.__getitem__, cached.req_ids), np.intp,
+                                len(cached.req_ids))
         except KeyError as e:
             raise ValueError(f"scheduler_output: cached request {e.args[0]!r} was never "
                              f"scheduled as new: step() must see every SchedulerOutput, in "
                              f"order") from None
         self._cached_slots = slots
-        self.computed[slots] = np.fromiter(cached.num_computed_tokens, np.int64, len(slots))
-        for i, blocks in enumerate(cached.new_block_ids):
-            if blocks is not None:
-                self.single_group &= len(blocks) == 1
-                slot = slots[i]
-                replaced = cached.req_ids[i] in cached.resumed_req_ids  # runner v1's resume
-                self._set_blocks(slot, 0 if replaced else int(self.num_blocks[slot]), blocks[0])
+        self.computed[slots] = cached.num_computed_tokens
+        new_block_ids = cached.new_block_ids
+        if new_block_ids.count(None) != len(new_block_ids):
+            self._append_blocks(cached, slots)
+
+    def _append_blocks(self, cached, slots: np.ndarray) -> None:
+        """The blocks ``cached`` (a ``CachedRequestData``) gives its requests (at ``slots``)."""
+        got = [i for i, blocks in enumerate(cached.new_block_ids) if blocks is not None]
+        groups = [cached.new_block_ids[i] for i in got]
+        self.single_group &= all(len(g) == 1 for g in groups)
+        if cached.resumed_req_ids:  # runner v1's resume: a resumed request's blocks replaced
+            for i, g in zip(got, groups):
+                slot = int(slots[i])
+                replaced = cached.req_ids[i] in cached.resumed_req_ids
+                self._set_blocks(slot, 0 if replaced else int(self.num_blocks[slot]), g[0])
+            return
+        lists = [g[0] for g in groups]
+        rows = slots[got]
+        counts = np.fromiter(map(len, lists), np.int64, len(lists))
+        start = self.num_blocks[rows]
+        rows_of = np.repeat(rows, counts)
+        cols = np.arange(len(rows_of)) + np.repeat(start - np.cumsum(counts) + counts, counts)
+        keep = cols < self.max_num_blocks_per_req  # past the block table: counted, not kept
+        self.blocks[rows_of[keep], cols[keep]] = np.fromiter(
+            chain.from_iterable(lists), np.int64, len(rows_of))[keep]
+        self.num_blocks[rows] = start + counts
 
     def _build(self, so) -> VllmStep | None:
         self._stamp += 1
@@ -189,8 +210,8 @@ class VllmDecodeSteps:
             return None
         req_ids = list(so.num_scheduled_tokens)  # vLLM's order for a uniform step
         cached = so.scheduled_cached_reqs
-        slots = np.array(self._cached_slots if req_ids == cached.req_ids
-                         else list(map(self.slot_of.__getitem__, req_ids)), np.intp)
+        slots = (self._cached_slots if req_ids == cached.req_ids
+                 else np.fromiter(map(self.slot_of.__getitem__, req_ids), np.intp, n))
         pos, num_blocks = self.computed[slots], self.num_blocks[slots]
         width = self.max_num_blocks_per_req
         if ((pos < self.prefill_len[slots]) | (pos >= width * self.block_size)
