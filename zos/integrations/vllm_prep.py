@@ -28,13 +28,12 @@ import time
 import numpy as np
 import torch
 
+from zos._C import PinnedUpload
 from zos.buckets import BucketTable
 from zos.buffers import DecodeBuffers
 from zos.device_backend import DeviceMetadataBackend
 from zos.integrations.vllm_buffers import VllmDecodeInputs, launch_unchecked
 from zos.integrations.vllm_steps import VllmDecodeSteps, VllmStep
-
-_IDX_SLOTS = 4  # pinned host copies of idx_mapping, each reused once its upload has run
 
 
 def unsupported(runner) -> str | None:
@@ -108,11 +107,6 @@ class ZosVllmPrep:
         # persistent tensors the InputBatch of a decode step views (never written by vLLM)
         self.idx_mapping = torch.zeros(self.max_reqs, dtype=torch.int32, device=dev)
         cuda = dev.type == "cuda"
-        self._idx_host = torch.zeros(_IDX_SLOTS, self.max_reqs, dtype=torch.int32,
-                                     pin_memory=cuda)
-        self._idx_host_np = self._idx_host.numpy()
-        self._idx_done = [torch.cuda.Event() if cuda else None for _ in range(_IDX_SLOTS)]
-        self._idx_slot = 0
         # the write is the epilogue of every zos build: on CUDA inside zos's prep graph of
         # each padded size, so a step's stage, build and write are one native call
         meta, idx, sampled, out = (self._meta, self.idx_mapping,
@@ -132,6 +126,17 @@ class ZosVllmPrep:
             epilogue=write)
         if not cuda:  # compiled now, not in the first decode step (a CUDA capture did it)
             write(0)
+        # idx_mapping's upload: two pinned buffers, each copy one native call on the
+        # backend's stream (vLLM's main stream), fenced (zos._C.PinnedUpload)
+        self._idx_upload = None
+        if cuda:
+            self._idx_host = torch.zeros(2, self.max_reqs, dtype=torch.int32, pin_memory=True)
+            self._idx_host_np = self._idx_host.numpy()
+            self._idx_upload = PinnedUpload(
+                self.idx_mapping.data_ptr(), self._idx_host[0].data_ptr(),
+                self._idx_host[1].data_ptr(), self._idx_host[0].nbytes,
+                dev.index if dev.index is not None else torch.cuda.current_device())
+            self._idx_stream = self.backend.stream.cuda_stream
         arange = torch.arange(self.max_reqs + 1, dtype=torch.int32, device=dev)
         arange_i64 = arange.to(torch.int64)
         zeros = torch.zeros(self.max_reqs, dtype=torch.int32, device=dev)
@@ -242,18 +247,23 @@ class ZosVllmPrep:
             has_structured_output_reqs=so.has_structured_output_requests, prompt_lens=None)
 
     def _upload_idx(self, idx_np: np.ndarray) -> None:
-        """``idx_np`` into ``self.idx_mapping`` through the next pinned slot (waiting, if
-        ever, for that slot's previous upload)."""
-        k = self._idx_slot
-        self._idx_slot = (k + 1) % _IDX_SLOTS
-        n = len(idx_np)
-        done = self._idx_done[k]
-        if done is not None:
-            done.synchronize()
-        self._idx_host_np[k, :n] = idx_np
-        self.idx_mapping[:n].copy_(self._idx_host[k, :n], non_blocking=True)
-        if done is not None:
-            done.record()
+        """``idx_np`` into ``self.idx_mapping``: on CUDA through the next pinned buffer
+        (waiting, if ever, for that buffer's previous copy), on a CPU a plain copy."""
+        up = self._idx_upload
+        if up is None:
+            self.idx_mapping[:len(idx_np)] = torch.from_numpy(idx_np)
+            return
+        k = up.acquire()
+        self._idx_host_np[k, :len(idx_np)] = idx_np
+        up.submit(k, 4 * len(idx_np), self._idx_stream)
+
+    def __del__(self) -> None:
+        up = getattr(self, "_idx_upload", None)
+        if up is not None:
+            try:  # no copy may read the pinned buffers once they are freed
+                up.synchronize()
+            except RuntimeError:  # at interpreter exit the CUDA context may be gone
+                pass
 
     _FIELDS = ("input_ids", "positions", "query_start_loc", "seq_lens", "block_table",
                "slot_mapping")
