@@ -191,8 +191,14 @@ class VllmDecodeSteps:
             return
         lists = [g[0] for g in groups]
         rows = slots[got]
-        counts = np.fromiter(map(len, lists), np.int64, len(lists))
         start = self.num_blocks[rows]
+        if all(len(blocks) == 1 for blocks in lists):  # a decode step's: one block each
+            keep = start < self.max_num_blocks_per_req  # past the block table: counted only
+            self.blocks[rows[keep], start[keep]] = np.fromiter(
+                (blocks[0] for blocks in lists), np.int64, len(lists))[keep]
+            self.num_blocks[rows] = start + 1
+            return
+        counts = np.fromiter(map(len, lists), np.int64, len(lists))
         rows_of = np.repeat(rows, counts)
         cols = np.arange(len(rows_of)) + np.repeat(start - np.cumsum(counts) + counts, counts)
         keep = cols < self.max_num_blocks_per_req  # past the block table: counted, not kept
@@ -221,26 +227,29 @@ class VllmDecodeSteps:
         # carried: a row of the last zos step one position back (its block list can only have
         # grown since: vLLM replaces a request's blocks only when it prefills again)
         carried = (self.last_stamp[slots] == self._prev) & (self.last_pos[slots] == pos - 1)
-        new_rows = np.flatnonzero(~carried)
-        new_slots = slots[new_rows]
-        self.zid[new_slots] = np.arange(self.next_id, self.next_id + len(new_rows))
-        self.next_id += len(new_rows)
-        new_counts = num_blocks[new_rows]
-        indptr = np.zeros(len(new_rows) + 1, np.int32)
-        np.cumsum(new_counts, out=indptr[1:])
-        flat = self.blocks[new_slots][np.arange(width) < new_counts[:, None]]
+        new_rows, new_positions, indptr, flat = _NONE, _NONE, _ZERO, _NONE
+        if not carried.all():  # rows new to zos: a fresh zos id, every block
+            new_rows = np.flatnonzero(~carried).astype(np.int32)
+            new_slots = slots[new_rows]
+            self.zid[new_slots] = np.arange(self.next_id, self.next_id + len(new_rows))
+            self.next_id += len(new_rows)
+            new_counts = num_blocks[new_rows]
+            indptr = np.zeros(len(new_rows) + 1, np.int32)
+            np.cumsum(new_counts, out=indptr[1:])
+            flat = self.blocks[new_slots][np.arange(width) < new_counts[:, None]]
+            new_positions = pos[new_rows].astype(np.int32)
         # carried rows that got blocks since: the blocks past the ones zos holds
         before = self.last_num_blocks[slots]
         grown = np.flatnonzero(carried & (num_blocks > before))
-        counts = num_blocks[grown] - before[grown]
-        app_rows = np.repeat(grown, counts)
-        cols = np.arange(len(app_rows)) + np.repeat(before[grown] - np.cumsum(counts) + counts,
-                                                    counts)
-        app_blocks = self.blocks[slots[app_rows], cols]
+        app_rows = app_blocks = _NONE
+        if len(grown):
+            counts = num_blocks[grown] - before[grown]
+            app_rows = np.repeat(grown.astype(np.int32), counts)
+            cols = np.arange(len(app_rows)) + np.repeat(before[grown] - np.cumsum(counts)
+                                                        + counts, counts)
+            app_blocks = self.blocks[slots[app_rows], cols]
         self.last_stamp[slots] = self._prev = self._stamp
         self.last_pos[slots], self.last_num_blocks[slots] = pos, num_blocks
-        i32 = np.int32
-        step = DecodeStep(self.zid[slots], new_rows.astype(i32), np.zeros(len(new_rows), i32),
-                          pos[new_rows].astype(i32), indptr, flat, app_rows.astype(i32),
-                          app_blocks, _NONE, _ZERO, _NONE)
+        step = DecodeStep(self.zid[slots], new_rows, np.zeros(len(new_rows), np.int32),
+                          new_positions, indptr, flat, app_rows, app_blocks, _NONE, _ZERO, _NONE)
         return VllmStep(step, req_ids)
