@@ -5,7 +5,8 @@ from setuptools import setup
 ext_modules = [
     Pybind11Extension(
         "zos._C",
-        ["csrc/bindings.cpp", "csrc/remap.cpp", "csrc/packer.cpp", "csrc/upload.cpp"],
+        ["csrc/bindings.cpp", "csrc/remap.cpp", "csrc/packer.cpp", "csrc/upload.cpp",
+         "csrc/vllm_mirror.cpp"],
         include_dirs=["csrc"],
         cxx_std=17,
         extra_compile_args=["-O3"],

@@ -15,6 +15,8 @@
 
 namespace py = pybind11;
 
+void register_vllm_mirror(py::module_& m);  // csrc/vllm_mirror.cpp
+
 namespace {
 
 #if __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
@@ -348,6 +350,7 @@ void apply_accepted(zos::StepPacker& self, const py::handle& accepted, int64_t s
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "zos native core: request remap and the packing of a decode step's staging record.";
+  register_vllm_mirror(m);
 
   m.def("launch_graph", &zos::launch_graph, py::arg("graph_exec"), py::arg("stream"),
         py::arg("device"),

@@ -22,7 +22,7 @@ is written):
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 
@@ -166,6 +166,20 @@ class DecodeStep:
                      "rewrite_block_indptr", "rewrite_block_ids"):
             setattr(self, name, _ints(name, getattr(self, name), _I32))
 
+    @classmethod
+    def of_arrays(cls, arrays: Sequence[np.ndarray]) -> DecodeStep:
+        """A step of the eleven fields in order, numpy arrays already 1-D, C-contiguous and of
+        the fields' dtypes (a native producer's, ``zos._C.VllmMirror``), without the
+        constructor's per-field checks: staging the step (``StepPacker.pack_step`` /
+        ``stage_call``) still checks dtypes, shapes and the lengths that tie fields together.
+        Raises ValueError when ``arrays`` is not eleven items."""
+        if len(arrays) != len(_FIELD_NAMES):
+            raise ValueError(f"arrays: DecodeStep has {len(_FIELD_NAMES)} fields, got "
+                             f"{len(arrays)}")
+        step = cls.__new__(cls)
+        step.__dict__.update(zip(_FIELD_NAMES, arrays))
+        return step
+
     @property
     def num_reqs(self) -> int:
         """Request rows N of this step."""
@@ -238,3 +252,6 @@ class DecodeStep:
             rewrite_block_indptr=rw_indptr,
             rewrite_block_ids=rw_flat,
         )
+
+
+_FIELD_NAMES = tuple(f.name for f in fields(DecodeStep))
