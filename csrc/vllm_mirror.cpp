@@ -312,6 +312,81 @@ class VllmMirror {
   }
 };
 
+// obj as a 1-D C-contiguous numpy array of int32 (writeable if asked), else TypeError naming it.
+py::array int32_array(const py::handle& obj, const char* field, bool writeable = false) {
+  if (!py::isinstance<py::array>(obj))
+    throw py::type_error(std::string(field) + " must be a numpy array, got " +
+                         Py_TYPE(obj.ptr())->tp_name);
+  auto a = py::reinterpret_borrow<py::array>(obj);
+  if (a.dtype().kind() != 'i' || a.itemsize() != 4 || a.ndim() != 1 ||
+      !(a.flags() & py::array::c_style) || (writeable && !a.writeable()))
+    throw py::type_error(std::string(field) + " must be a 1-D C-contiguous " +
+                         (writeable ? "writeable " : "") + "int32 numpy array, got dtype " +
+                         std::string(py::str(a.dtype())) + " ndim " + std::to_string(a.ndim()));
+  return a;
+}
+
+// The host arrays of runner v2's InputBatch for a uniform one-token step (vllm_prep.py), in one
+// call: each row's request index looked up, vLLM's request state gathered. See the binding.
+py::tuple batch_arrays(const py::list& req_ids, const py::dict& req_id_to_index,
+                       const py::handle& num_computed_obj, const py::handle& prefill_len_obj,
+                       const py::handle& computed_prefill_obj, int64_t padded,
+                       const py::handle& idx_out_obj) {
+  const py::array num_computed = int32_array(num_computed_obj, "num_computed_tokens");
+  const py::array prefill_len = int32_array(prefill_len_obj, "prefill_len");
+  const py::array computed_prefill = int32_array(computed_prefill_obj,
+                                                 "num_computed_prefill_tokens");
+  py::array idx_out = int32_array(idx_out_obj, "idx_out", true);
+  const int64_t n = PyList_GET_SIZE(req_ids.ptr());
+  const int64_t reqs = std::min({num_computed.shape(0), prefill_len.shape(0),
+                                 computed_prefill.shape(0)});
+  if (n > idx_out.shape(0))
+    throw py::value_error("idx_out holds " + std::to_string(idx_out.shape(0)) +
+                          " rows, the step has " + std::to_string(n));
+  if (padded < n)
+    throw py::value_error("padded must be >= the step's rows " + std::to_string(n) +
+                          ", got " + std::to_string(padded));
+  py::array_t<int32_t> idx(n);
+  int32_t* ix = idx.mutable_data();
+  for (int64_t r = 0; r < n; ++r) {  // every check before anything is written
+    PyObject* v = PyDict_GetItemWithError(req_id_to_index.ptr(), PyList_GET_ITEM(req_ids.ptr(), r));
+    if (v == nullptr) {
+      if (PyErr_Occurred()) throw py::error_already_set();
+      throw py::value_error("req_id_to_index has no request " +
+                            std::string(py::repr(PyList_GET_ITEM(req_ids.ptr(), r))));
+    }
+    const int64_t i = as_int(v, "req_id_to_index");
+    if (i < 0 || i >= reqs)
+      throw py::value_error("req_id_to_index: request index " + std::to_string(i) +
+                            " outside the request state's " + std::to_string(reqs) + " rows");
+    ix[r] = static_cast<int32_t>(i);
+  }
+  std::copy(ix, ix + n, static_cast<int32_t*>(idx_out.mutable_data()));
+  const auto* nc = static_cast<const int32_t*>(num_computed.data());
+  const auto* pl = static_cast<const int32_t*>(prefill_len.data());
+  const auto* cp = static_cast<const int32_t*>(computed_prefill.data());
+  py::array_t<int32_t> computed(n), upper(padded), prefill(n), cprefill(n), scheduled(n),
+      qsl(padded + 1), cu(n + 1);
+  py::array_t<bool> prefilling(n);
+  int32_t *c = computed.mutable_data(), *u = upper.mutable_data(), *p = prefill.mutable_data(),
+          *q = cprefill.mutable_data();
+  bool* f = prefilling.mutable_data();
+  for (int64_t r = 0; r < n; ++r) {
+    c[r] = nc[ix[r]];
+    u[r] = c[r] + 1;
+    p[r] = pl[ix[r]];
+    q[r] = cp[ix[r]];
+    f[r] = q[r] < p[r];
+  }
+  std::fill(u + n, u + padded, 0);
+  std::fill(scheduled.mutable_data(), scheduled.mutable_data() + n, 1);
+  int32_t* ql = qsl.mutable_data();
+  for (int64_t r = 0; r <= padded; ++r) ql[r] = static_cast<int32_t>(std::min(r, n));
+  int32_t* cl = cu.mutable_data();
+  for (int64_t r = 0; r <= n; ++r) cl[r] = static_cast<int32_t>(r);
+  return py::make_tuple(idx, computed, upper, prefill, cprefill, prefilling, scheduled, qsl, cu);
+}
+
 }  // namespace
 
 void register_vllm_mirror(py::module_& m) {
@@ -333,4 +408,24 @@ of another type.)doc")
                              "Requests the mirror holds.")
       .def_property_readonly("single_group", &VllmMirror::single_group,
                              "False once a request held blocks of two KV-cache groups.");
+  m.def("vllm_batch_arrays", &batch_arrays, py::arg("req_ids"), py::arg("req_id_to_index"),
+        py::arg("num_computed_tokens"), py::arg("prefill_len"),
+        py::arg("num_computed_prefill_tokens"), py::arg("padded"), py::arg("idx_out"),
+        R"doc(The host arrays of vLLM 0.26 runner v2's ``InputBatch`` for a uniform one-token step
+of N = len(req_ids) rows padded to ``padded``, in one call (zos.integrations.vllm_prep).
+
+Args: req_ids: list of N request ids (str); req_id_to_index: runner v2's
+``req_states.req_id_to_index`` (request id -> index of its request state);
+num_computed_tokens, prefill_len, num_computed_prefill_tokens: int32 [R], runner v2's request
+state by index (``num_computed_tokens_np``, ``prefill_len.np``,
+``num_computed_prefill_tokens``); padded: rows after padding (>= N); idx_out: writeable int32
+[>= N], its first N words get the request indices (a pinned upload buffer).
+
+Returns (numpy, new): idx_mapping int32 [N]; num_computed_tokens int32 [N]; the seq_lens upper
+bound int32 [padded] (num_computed + 1, 0 for padded rows); prefill_len int32 [N];
+num_computed_prefill_tokens int32 [N]; is_prefilling bool [N]; num_scheduled_tokens int32 [N]
+(ones); query_start_loc int32 [padded + 1] (min(i, N)); cu_num_logits int32 [N + 1] (0..N).
+Raises, before writing idx_out: TypeError for an array of another dtype or layout; ValueError
+for a request not in req_id_to_index, an index outside the state arrays, idx_out shorter than
+N or padded < N.)doc");
 }

@@ -28,7 +28,7 @@ import time
 import numpy as np
 import torch
 
-from zos._C import PinnedUpload
+from zos._C import PinnedUpload, vllm_batch_arrays
 from zos.buckets import BucketTable
 from zos.buffers import DecodeBuffers
 from zos.device_backend import DeviceMetadataBackend
@@ -78,10 +78,11 @@ class ZosVllmPrep:
         stats: ``zos_steps``, ``vllm_steps`` (steps vLLM prepared), ``shadow_steps``,
             ``mismatches`` (fields that differed, summed over steps), ``first_mismatch`` (a
             description or None), ``prep_s`` (host seconds in zos's ``prepare_inputs``),
-            ``phase_s`` (two parts of it: the idx_mapping upload; zos's ``prepare``, i.e.
-            stage, build and write, on CUDA one native call; the rest builds runner v2's
-            ``InputBatch``), ``rewrites`` (steps vLLM padded to another size than zos's
-            bucket: the write launched a second time).
+            ``phase_s`` (two parts of it: ``batch_arrays``, the InputBatch's host arrays and
+            the idx_mapping upload, one native call each; ``prepare``, zos's stage, build and
+            write, on CUDA one native call; the rest makes runner v2's ``InputBatch``),
+            ``rewrites`` (steps vLLM padded to another size than zos's bucket: the write
+            launched a second time).
     """
 
     def __init__(self, runner, *, shadow: bool = False) -> None:
@@ -129,6 +130,7 @@ class ZosVllmPrep:
         # idx_mapping's upload: two pinned buffers, each copy one native call on the
         # backend's stream (vLLM's main stream), fenced (zos._C.PinnedUpload)
         self._idx_upload = None
+        self._idx_host_np = np.zeros((1, self.max_reqs), np.int32)  # a CPU's staging row
         if cuda:
             self._idx_host = torch.zeros(2, self.max_reqs, dtype=torch.int32, pin_memory=True)
             self._idx_host_np = self._idx_host.numpy()
@@ -140,7 +142,6 @@ class ZosVllmPrep:
         arange = torch.arange(self.max_reqs + 1, dtype=torch.int32, device=dev)
         arange_i64 = arange.to(torch.int64)
         zeros = torch.zeros(self.max_reqs, dtype=torch.int32, device=dev)
-        self.arange_np = np.arange(self.max_reqs + 1, dtype=np.int32)
         # the views an InputBatch of n rows padded to p rows and t tokens holds, made once
         rows = range(self.max_reqs + 1)
         self._views_n = [(self.idx_mapping[:n], zeros[:n], arange_i64[:n],
@@ -150,7 +151,7 @@ class ZosVllmPrep:
         self.pending: VllmStep | None = None
         self.stats = dict(zos_steps=0, vllm_steps=0, shadow_steps=0, mismatches=0,
                           first_mismatch=None, prep_s=0.0, rewrites=0,
-                          phase_s=dict(idx_mapping=0.0, prepare=0.0))
+                          phase_s=dict(batch_arrays=0.0, prepare=0.0))
 
     def observe(self, scheduler_output) -> None:
         """Every scheduler output, in order, before the runner reads it: the mirror follows
@@ -199,28 +200,22 @@ class ZosVllmPrep:
 
     def _prepare(self, vstep: VllmStep, so, batch_desc):
         from vllm.v1.worker.gpu.input_batch import InputBatch
-        runner, rs = self.runner, self.runner.req_states
-        req_ids = vstep.req_ids
+        runner, req_ids = self.runner, vstep.req_ids
         n = len(req_ids)
         padded = batch_desc.num_reqs or n
         num_tokens_padded = batch_desc.num_tokens
         clock, phase = time.perf_counter, self.stats["phase_s"]
         t0 = clock()
-        idx_np = np.fromiter(map(rs.req_id_to_index.get, req_ids), dtype=np.int32, count=n)
-        self._upload_idx(idx_np)
+        (idx_np, num_computed, upper, prefill_len, computed_prefill, is_prefilling, scheduled,
+         query_start_loc_np, cu_num_logits_np) = self._upload_idx(req_ids, padded)
         t1 = clock()
         md = self.backend.prepare(vstep.step)  # its write pads to zos's padded size
         if md.padded_size != padded:  # vLLM padded otherwise: its padding written again
             self._write(padded)
             self.stats["rewrites"] += 1
         t2 = clock()
-        phase["idx_mapping"] += t1 - t0
+        phase["batch_arrays"] += t1 - t0
         phase["prepare"] += t2 - t1
-        num_computed = rs.num_computed_tokens_np[idx_np]
-        upper = np.zeros(padded, dtype=np.int32)
-        np.add(num_computed, 1, out=upper[:n])
-        prefill_len = rs.prefill_len.np[idx_np]
-        computed_prefill = rs.num_computed_prefill_tokens[idx_np]
         idx_mapping, zeros, logits_indices, cu_num_logits = self._views_n[n]
         query_start_loc, seq_lens = self._views_p[padded]
         tokens = self._views_t.get(num_tokens_padded)
@@ -232,30 +227,36 @@ class ZosVllmPrep:
             req_ids=req_ids, num_reqs=n, num_reqs_after_padding=padded,
             idx_mapping=idx_mapping, idx_mapping_np=idx_np,
             expanded_idx_mapping=idx_mapping, expanded_local_pos=zeros,
-            num_scheduled_tokens=np.ones(n, dtype=np.int32), num_tokens=n,
+            num_scheduled_tokens=scheduled, num_tokens=n,
             num_tokens_after_padding=num_tokens_padded, num_draft_tokens=0,
             num_draft_tokens_per_req=None,
             query_start_loc=query_start_loc,
-            query_start_loc_np=np.minimum(self.arange_np[:padded + 1], n),
+            query_start_loc_np=query_start_loc_np,
             seq_lens=seq_lens, seq_lens_cpu_upper_bound=torch.from_numpy(upper),
             dcp_local_seq_lens=None, num_computed_tokens_np=num_computed,
             prefill_len_np=prefill_len, num_computed_prefill_tokens_np=computed_prefill,
-            is_prefilling_np=computed_prefill < prefill_len, max_seq_len_np=None,
+            is_prefilling_np=is_prefilling, max_seq_len_np=None,
             input_ids=tokens[0], positions=tokens[1], is_padding=tokens[2],
             logits_indices=logits_indices, cu_num_logits=cu_num_logits,
-            cu_num_logits_np=self.arange_np[:n + 1].copy(),
+            cu_num_logits_np=cu_num_logits_np,
             has_structured_output_reqs=so.has_structured_output_requests, prompt_lens=None)
 
-    def _upload_idx(self, idx_np: np.ndarray) -> None:
-        """``idx_np`` into ``self.idx_mapping``: on CUDA through the next pinned buffer
-        (waiting, if ever, for that buffer's previous copy), on a CPU a plain copy."""
-        up = self._idx_upload
+    def _upload_idx(self, req_ids: list[str], padded: int) -> tuple[np.ndarray, ...]:
+        """The InputBatch's host arrays of the rows ``req_ids`` padded to ``padded``
+        (``zos._C.vllm_batch_arrays``, from vLLM's request state), their request indices
+        uploaded into ``self.idx_mapping``: on CUDA written straight into the next pinned
+        buffer (waiting, if ever, for that buffer's previous copy) and copied, on a CPU a
+        plain copy."""
+        rs, up = self.runner.req_states, self._idx_upload
+        k = up.acquire() if up is not None else 0
+        arrays = vllm_batch_arrays(req_ids, rs.req_id_to_index, rs.num_computed_tokens_np,
+                                   rs.prefill_len.np, rs.num_computed_prefill_tokens, padded,
+                                   self._idx_host_np[k])
         if up is None:
-            self.idx_mapping[:len(idx_np)] = torch.from_numpy(idx_np)
-            return
-        k = up.acquire()
-        self._idx_host_np[k, :len(idx_np)] = idx_np
-        up.submit(k, 4 * len(idx_np), self._idx_stream)
+            self.idx_mapping[:len(req_ids)] = torch.from_numpy(arrays[0])
+        else:
+            up.submit(k, 4 * len(req_ids), self._idx_stream)
+        return arrays
 
     def __del__(self) -> None:
         up = getattr(self, "_idx_upload", None)
