@@ -516,3 +516,25 @@ def test_launch_graph_refuses_what_it_cannot_launch():
         launch_graph(0, 0, -1)
     with pytest.raises(RuntimeError, match=r"zos \(CUDA driver\): "):
         launch_graph(0, 0, 0)
+
+
+def test_a_step_of_arrays_is_checked_when_staged():
+    """``DecodeStep.of_arrays`` skips the constructor's per-field checks: the packer writes its
+    record as the checked step's, and still refuses an array of another dtype (TypeError
+    naming the field), before writing anything."""
+    checked = DecodeStep.build([7, 8], {0: (11, 3, [5]), 1: (12, 4, [6, 9])})
+    fields = [getattr(checked, name) for name in (
+        "req_ids", "new_rows", "new_tokens", "new_positions", "new_block_indptr",
+        "new_block_ids", "append_rows", "append_block_ids", "rewrite_rows",
+        "rewrite_block_indptr", "rewrite_block_ids")]
+    want = pack(small_packer(), checked)[1]
+    out = np.full(256, -7, np.int32)
+    words = small_packer().pack_step(DecodeStep.of_arrays(fields), out)
+    assert out[:words].tolist() == want.tolist()
+    fields[3] = fields[3].astype(np.int64)
+    before = out.copy()
+    with pytest.raises(TypeError, match="new_positions"):
+        small_packer().pack_step(DecodeStep.of_arrays(fields), out)
+    assert (out == before).all()
+    with pytest.raises(ValueError, match="DecodeStep has 11 fields, got 10"):
+        DecodeStep.of_arrays(fields[:10])
