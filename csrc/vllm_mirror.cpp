@@ -22,16 +22,16 @@ namespace py = pybind11;
 namespace {
 
 // A Python int as int64, else the field named in a TypeError / OverflowError.
-int64_t as_int(PyObject* obj, const char* field) {
+int64_t as_int(PyObject* obj, const std::string& field) {
   if (!PyLong_Check(obj))
-    throw py::type_error(std::string("scheduler_output: ") + field + " must hold ints, got " +
-                         Py_TYPE(obj)->tp_name);
+    throw py::type_error(field + " must hold ints, got " + Py_TYPE(obj)->tp_name);
   const long long v = PyLong_AsLongLong(obj);
   if (v == -1 && PyErr_Occurred()) throw py::error_already_set();
   return v;
 }
 
-// obj as a list or tuple (borrowed items through PySequence_Fast), else TypeError naming field.
+// obj as a list or tuple (its items read with PySequence_Fast_ITEMS), else TypeError naming
+// field.
 py::object fast_seq(PyObject* obj, const char* field) {
   if (!PyList_Check(obj) && !PyTuple_Check(obj))
     throw py::type_error(std::string("scheduler_output: ") + field +
@@ -59,8 +59,12 @@ class VllmMirror {
         speculative_(speculative) {
     for (auto [name, v] : {std::pair{"block_size", block_size}, {"max_num_reqs", max_num_reqs},
                            {"max_num_blocks_per_req", width}})
-      if (v < 1)
-        throw py::value_error(std::string(name) + " must be >= 1, got " + std::to_string(v));
+      if (v < 1 || v > INT32_MAX)
+        throw py::value_error(std::string(name) + " must be in [1, 2^31), got " +
+                              std::to_string(v));
+    if (width * block_size > INT32_MAX)  // positions are int32
+      throw py::value_error("max_num_blocks_per_req * block_size must be < 2^31, got " +
+                            std::to_string(width) + " * " + std::to_string(block_size));
     grow(max_num_reqs);
   }
 
@@ -92,6 +96,8 @@ class VllmMirror {
   int64_t prev_ = 0;
   int64_t next_id_ = 0;
   std::vector<int64_t> cached_slots_;  // the last output's cached requests' slots
+  std::vector<int64_t> cached_mark_;   // per slot: the observe that saw it cached last
+  int64_t observed_ = 0;               // counts observes
   // scratch of one build
   std::vector<int64_t> slots_of_rows_;
 
@@ -108,7 +114,7 @@ class VllmMirror {
     slots_ = slots;
     blocks_.resize(slots * width_, 0);
     for (auto* v : {&num_blocks_, &computed_, &prefill_len_, &zid_, &last_stamp_, &last_pos_,
-                    &last_num_blocks_})
+                    &last_num_blocks_, &cached_mark_})
       v->resize(slots, 0);
     for (int64_t s = slots - 1; s >= old; --s) free_.push_back(s);
   }
@@ -121,7 +127,7 @@ class VllmMirror {
     const int64_t keep = std::min<int64_t>(start + len, width_);
     int32_t* row = blocks_.data() + slot * width_;
     for (int64_t c = start; c < keep; ++c) {
-      const int64_t id = as_int(items[c - start], field);
+      const int64_t id = as_int(items[c - start], std::string("scheduler_output: ") + field);
       if (id < INT32_MIN || id > INT32_MAX)
         throw py::value_error(std::string("scheduler_output: ") + field + ": block id " +
                               std::to_string(id) + " does not fit int32");
@@ -147,13 +153,29 @@ class VllmMirror {
     py::object cached_ids = fast_seq(attr(cached.ptr(), s_req_ids).ptr(), "cached req_ids");
     const Py_ssize_t nc = PySequence_Fast_GET_SIZE(cached_ids.ptr());
     PyObject** cids = PySequence_Fast_ITEMS(cached_ids.ptr());
-    // every cached request known before anything changes (a missed output is an error)
+    // before anything changes: every cached request known and staying (a missed output, or
+    // one that finishes or preempts a request it also schedules, is an error)
     std::vector<int64_t> cslots(nc);
-    for (Py_ssize_t i = 0; i < nc; ++i) cslots[i] = slot_of(cids[i]);
-    for (const py::str* name : {&s_finished, &s_preempted}) {
-      py::object gone = attr(so, *name);
-      if (gone.is_none()) continue;
-      for (py::handle rid : gone) {
+    ++observed_;
+    for (Py_ssize_t i = 0; i < nc; ++i) {
+      cslots[i] = slot_of(cids[i]);
+      cached_mark_[cslots[i]] = observed_;
+    }
+    py::object gone[2] = {attr(so, s_finished), attr(so, s_preempted)};
+    for (const py::object& ids : gone) {
+      if (ids.is_none()) continue;
+      for (py::handle rid : ids) {
+        PyObject* v = PyDict_GetItemWithError(slot_of_.ptr(), rid.ptr());
+        if (v == nullptr && PyErr_Occurred()) throw py::error_already_set();
+        if (v != nullptr && cached_mark_[PyLong_AsLongLong(v)] == observed_)
+          throw py::value_error("scheduler_output: request " + std::string(py::repr(rid)) +
+                                " is finished or preempted and scheduled as cached in one "
+                                "output");
+      }
+    }
+    for (const py::object& ids : gone) {
+      if (ids.is_none()) continue;
+      for (py::handle rid : ids) {
         PyObject* v = PyDict_GetItemWithError(slot_of_.ptr(), rid.ptr());
         if (v == nullptr) {
           if (PyErr_Occurred()) throw py::error_already_set();
@@ -172,26 +194,25 @@ class VllmMirror {
       if (tokens.is_none()) tokens = attr(req.ptr(), s_prompt);
       const Py_ssize_t prefill = PyObject_Length(tokens.ptr());
       if (prefill < 0) throw py::error_already_set();
-      const int64_t computed = as_int(attr(req.ptr(), s_computed).ptr(), "num_computed_tokens");
-      int64_t slot;
+      const int64_t computed = as_int(attr(req.ptr(), s_computed).ptr(),
+                                      "scheduler_output: num_computed_tokens");
+      if (PySequence_Fast_GET_SIZE(groups.ptr()) < 1)
+        throw py::value_error("scheduler_output: a new request's block_ids has no group");
       PyObject* v = PyDict_GetItemWithError(slot_of_.ptr(), rid.ptr());
-      if (v != nullptr) {  // live and sent again as new: its slot is reused
-        slot = PyLong_AsLongLong(v);
-      } else {
-        if (PyErr_Occurred()) throw py::error_already_set();
-        if (free_.empty()) grow(2 * slots_);
-        slot = free_.back();
-        free_.pop_back();
+      if (v == nullptr && PyErr_Occurred()) throw py::error_already_set();
+      const bool fresh = v == nullptr;  // else live and sent again as new: its slot is reused
+      if (fresh && free_.empty()) grow(2 * slots_);
+      const int64_t slot = fresh ? free_.back() : PyLong_AsLongLong(v);
+      last_stamp_[slot] = -1;  // a new lifetime: in no zos step yet
+      set_blocks(slot, 0, PySequence_Fast_GET_ITEM(groups.ptr(), 0), "block_ids");
+      if (fresh) {  // taken once its blocks were read
         py::object key = py::int_(slot);
         if (PyDict_SetItem(slot_of_.ptr(), rid.ptr(), key.ptr()) != 0)
           throw py::error_already_set();
+        free_.pop_back();
       }
-      if (PySequence_Fast_GET_SIZE(groups.ptr()) < 1)
-        throw py::value_error("scheduler_output: a new request's block_ids has no group");
-      set_blocks(slot, 0, PySequence_Fast_GET_ITEM(groups.ptr(), 0), "block_ids");
       computed_[slot] = computed;
       prefill_len_[slot] = prefill;
-      last_stamp_[slot] = -1;  // a new lifetime: in no zos step yet
     }
     py::object computed = fast_seq(attr(cached.ptr(), s_computed).ptr(), "num_computed_tokens");
     py::object new_blocks = fast_seq(attr(cached.ptr(), s_new_block_ids).ptr(), "new_block_ids");
@@ -206,7 +227,7 @@ class VllmMirror {
     if (any_resumed < 0) throw py::error_already_set();
     for (Py_ssize_t i = 0; i < nc; ++i) {
       const int64_t slot = cslots[i];
-      computed_[slot] = as_int(comp[i], "num_computed_tokens");
+      computed_[slot] = as_int(comp[i], "scheduler_output: num_computed_tokens");
       if (nb[i] == Py_None) continue;
       py::object groups = fast_seq(nb[i], "new_block_ids");
       const Py_ssize_t ng = PySequence_Fast_GET_SIZE(groups.ptr());
@@ -236,7 +257,8 @@ class VllmMirror {
     if (!PyDict_Check(sched.ptr()))
       throw py::type_error("scheduler_output: num_scheduled_tokens must be a dict");
     const Py_ssize_t n = PyDict_Size(sched.ptr());
-    const int64_t total = as_int(attr(so, s_total).ptr(), "total_num_scheduled_tokens");
+    const int64_t total = as_int(attr(so, s_total).ptr(),
+                                 "scheduler_output: total_num_scheduled_tokens");
     const int has_new = PyObject_IsTrue(attr(so, s_new).ptr());
     const int has_spec = PyObject_IsTrue(attr(so, s_spec).ptr());
     if (has_new < 0 || has_spec < 0) throw py::error_already_set();
@@ -355,7 +377,7 @@ py::tuple batch_arrays(const py::list& req_ids, const py::dict& req_id_to_index,
       throw py::value_error("req_id_to_index has no request " +
                             std::string(py::repr(PyList_GET_ITEM(req_ids.ptr(), r))));
     }
-    const int64_t i = as_int(v, "req_id_to_index");
+    const int64_t i = as_int(v, "req_id_to_index's values");
     if (i < 0 || i >= reqs)
       throw py::value_error("req_id_to_index: request index " + std::to_string(i) +
                             " outside the request state's " + std::to_string(reqs) + " rows");
@@ -394,15 +416,16 @@ void register_vllm_mirror(py::module_& m) {
 (zos.integrations.vllm_steps.VllmDecodeSteps holds it and documents its contract).
 
 VllmMirror(block_size, max_num_reqs, max_num_blocks_per_req, speculative): ValueError for a size
-below 1.)doc")
+outside [1, 2^31) or max_num_blocks_per_req * block_size >= 2^31.)doc")
       .def(py::init<int64_t, int64_t, int64_t, bool>(), py::arg("block_size"),
            py::arg("max_num_reqs"), py::arg("max_num_blocks_per_req"), py::arg("speculative"))
       .def("step", &VllmMirror::step, py::arg("scheduler_output"),
            R"doc(Read one SchedulerOutput and return None (not a zos step) or ((req_ids int64[N]
 (zos's), new_rows, new_tokens (0), new_positions, new_block_indptr, new_block_ids, append_rows,
-append_block_ids: int32 numpy arrays), vLLM's request ids in batch order (list)). ValueError
-for a cached request no earlier output brought (nothing changed then); TypeError for a field
-of another type.)doc")
+append_block_ids: int32 numpy arrays), vLLM's request ids in batch order (list)). ValueError,
+before the mirror changes, for a cached request no earlier output brought or one the same output
+finishes or preempts; ValueError / TypeError for a field of another type or length than vLLM
+0.26's (the mirror may then be part-way through the output: the engine cannot go on).)doc")
       .def("forget", &VllmMirror::forget, "No row carries over to the next step.")
       .def_property_readonly("num_requests", &VllmMirror::num_requests,
                              "Requests the mirror holds.")

@@ -22,7 +22,7 @@ def test_batch_arrays_match_runner_v2(n, extra, seed):
     rng = np.random.default_rng(seed)
     reqs = n + 5
     computed, prefill, cprefill = state(rng, reqs)
-    index = {f"r{i}": int(i) for i in rng.permutation(reqs)}
+    index = {f"r{i}": int(j) for i, j in enumerate(rng.permutation(reqs))}
     req_ids = [f"r{i}" for i in rng.permutation(reqs)[:n]]
     padded = n + extra
     idx_out = np.full(n + 3, -1, np.int32)
@@ -89,20 +89,40 @@ def test_mirror_refuses_a_missed_output_and_keeps_its_state():
     assert indptr.tolist() == [0, 2] and flat.tolist() == [1, 2] and tokens.tolist() == [0]
 
 
-@pytest.mark.parametrize("field,value,match", [
-    ("new_block_ids", [5], "new_block_ids must be a list or tuple, got int"),
-    ("num_computed_tokens", ["5"], "num_computed_tokens must hold ints, got str"),
-    ("num_computed_tokens", [5, 6], "one entry per cached request"),
+def test_mirror_refuses_a_request_finished_and_scheduled_in_one_output():
+    """A request both preempted (or finished) and scheduled as cached: refused before the
+    mirror changes, so its slot is not handed to a new request while still written."""
+    m = VllmMirror(4, 4, 8, False)
+    m.step(output(new=[("a", 5, [1, 2])]))
+    bad = output(new=[("b", 3, [7])], cached=["a"], computed=[5], new_blocks=[([9, 10],)])
+    bad.preempted_req_ids = {"a"}
+    with pytest.raises(ValueError, match="request 'a' is finished or preempted and scheduled"):
+        m.step(bad)
+    assert m.num_requests == 1
+    m.step(output(new=[("b", 3, [7])]))
+    (_, rows, _, pos, _, flat, *_), req_ids = m.step(output(cached=["a", "b"], computed=[5, 3]))
+    assert req_ids == ["a", "b"] and pos.tolist() == [5, 3] and flat.tolist() == [1, 2, 7]
+
+
+@pytest.mark.parametrize("field,value,exc,match", [
+    ("new_block_ids", [5], TypeError, "new_block_ids must be a list or tuple, got int"),
+    ("num_computed_tokens", ["5"], TypeError, "num_computed_tokens must hold ints, got str"),
+    ("num_computed_tokens", [5, 6], ValueError, "one entry per cached request"),
 ])
-def test_mirror_names_a_field_it_cannot_read(field, value, match):
+def test_mirror_names_a_field_it_cannot_read(field, value, exc, match):
     m = VllmMirror(4, 4, 8, False)
     m.step(output(new=[("a", 5, [1, 2])]))
     bad = output(cached=["a"], computed=[5])
     setattr(bad.scheduled_cached_reqs, field, value)
-    with pytest.raises((TypeError, ValueError), match=match):
+    with pytest.raises(exc, match=match):
         m.step(bad)
 
 
-def test_mirror_sizes_are_checked():
-    with pytest.raises(ValueError, match="max_num_blocks_per_req must be >= 1, got 0"):
-        VllmMirror(4, 4, 0, False)
+@pytest.mark.parametrize("args,match", [
+    ((4, 4, 0), r"max_num_blocks_per_req must be in \[1, 2\^31\), got 0"),
+    ((1, 4, 1 << 62), r"max_num_blocks_per_req must be in \[1, 2\^31\)"),
+    ((1 << 16, 4, 1 << 16), r"max_num_blocks_per_req \* block_size must be < 2\^31"),
+])
+def test_mirror_sizes_are_checked(args, match):
+    with pytest.raises(ValueError, match=match):
+        VllmMirror(*args, False)

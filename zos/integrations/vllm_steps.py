@@ -79,8 +79,8 @@ class VllmDecodeSteps:
             above 0 no step is zos's (module docstring).
 
     Raises:
-        TypeError / ValueError: a size is not an int >= 1, ``num_speculative_tokens`` not an
-            int >= 0.
+        TypeError / ValueError: a size is not an int >= 1 (or 2^31 or more, or the block
+            table spans 2^31 positions or more), ``num_speculative_tokens`` not an int >= 0.
     """
 
     def __init__(self, *, block_size: int, max_num_reqs: int, max_num_blocks_per_req: int,
@@ -102,9 +102,10 @@ class VllmDecodeSteps:
         returned step are the reference of the next one's: :meth:`forget` if it is not run.
 
         Raises:
-            ValueError: a cached request the earlier outputs never brought (a step was
-                skipped; the mirror is left as it was).
-            TypeError: a field of ``scheduler_output`` of another type than vLLM 0.26's.
+            ValueError: before the mirror changes, a cached request the earlier outputs never
+                brought (a step was skipped) or one the same output finishes or preempts.
+            TypeError / ValueError: a field of ``scheduler_output`` of another type or length
+                than vLLM 0.26's (the mirror may be part-way through the output then).
         """
         out = self._mirror.step(scheduler_output)
         if out is None:
