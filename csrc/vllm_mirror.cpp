@@ -1,7 +1,8 @@
 // zos._C.VllmMirror: the mirror of vLLM 0.26's scheduler outputs (zos/integrations/vllm_steps.py
 // holds the contract: which fields are read, which step is zos's, the row order). One call per
 // scheduler output reads vLLM's Python objects through the C API (no Python loop, no numpy call)
-// and returns the arrays of the zos decode step, or None.
+// and returns the arrays of the zos decode step, or None. zos._C.vllm_batch_arrays: the host
+// arrays of runner v2's InputBatch for such a step, from vLLM's request state, in one call.
 //
 // State per request slot: its block ids (a row of max_num_blocks_per_req; blocks past it are
 // counted, not kept: a row holding them is vLLM's to prepare), block count, computed tokens,
@@ -79,7 +80,6 @@ class VllmMirror {
   void forget() { prev_ = 0; }
 
   py::ssize_t num_requests() const { return PyDict_Size(slot_of_.ptr()); }
-  bool single_group() const { return single_group_; }
 
  private:
   int64_t block_size_, max_num_reqs_, width_;
@@ -428,9 +428,7 @@ finishes or preempts; ValueError / TypeError for a field of another type or leng
 0.26's (the mirror may then be part-way through the output: the engine cannot go on).)doc")
       .def("forget", &VllmMirror::forget, "No row carries over to the next step.")
       .def_property_readonly("num_requests", &VllmMirror::num_requests,
-                             "Requests the mirror holds.")
-      .def_property_readonly("single_group", &VllmMirror::single_group,
-                             "False once a request held blocks of two KV-cache groups.");
+                             "Requests the mirror holds.");
   m.def("vllm_batch_arrays", &batch_arrays, py::arg("req_ids"), py::arg("req_id_to_index"),
         py::arg("num_computed_tokens"), py::arg("prefill_len"),
         py::arg("num_computed_prefill_tokens"), py::arg("padded"), py::arg("idx_out"),

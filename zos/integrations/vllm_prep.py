@@ -128,9 +128,10 @@ class ZosVllmPrep:
         if not cuda:  # compiled now, not in the first decode step (a CUDA capture did it)
             write(0)
         # idx_mapping's upload: two pinned buffers, each copy one native call on the
-        # backend's stream (vLLM's main stream), fenced (zos._C.PinnedUpload)
+        # backend's stream (vLLM's main stream), fenced (zos._C.PinnedUpload); on a CPU one
+        # staging row and a plain copy
         self._idx_upload = None
-        self._idx_host_np = np.zeros((1, self.max_reqs), np.int32)  # a CPU's staging row
+        self._idx_host_np = np.zeros((1, self.max_reqs), np.int32)
         if cuda:
             self._idx_host = torch.zeros(2, self.max_reqs, dtype=torch.int32, pin_memory=True)
             self._idx_host_np = self._idx_host.numpy()
@@ -207,7 +208,7 @@ class ZosVllmPrep:
         clock, phase = time.perf_counter, self.stats["phase_s"]
         t0 = clock()
         (idx_np, num_computed, upper, prefill_len, computed_prefill, is_prefilling, scheduled,
-         query_start_loc_np, cu_num_logits_np) = self._upload_idx(req_ids, padded)
+         query_start_loc_np, cu_num_logits_np) = self._batch_arrays(req_ids, padded)
         t1 = clock()
         md = self.backend.prepare(vstep.step)  # its write pads to zos's padded size
         if md.padded_size != padded:  # vLLM padded otherwise: its padding written again
@@ -241,7 +242,7 @@ class ZosVllmPrep:
             cu_num_logits_np=cu_num_logits_np,
             has_structured_output_reqs=so.has_structured_output_requests, prompt_lens=None)
 
-    def _upload_idx(self, req_ids: list[str], padded: int) -> tuple[np.ndarray, ...]:
+    def _batch_arrays(self, req_ids: list[str], padded: int) -> tuple[np.ndarray, ...]:
         """The InputBatch's host arrays of the rows ``req_ids`` padded to ``padded``
         (``zos._C.vllm_batch_arrays``, from vLLM's request state), their request indices
         uploaded into ``self.idx_mapping``: on CUDA written straight into the next pinned

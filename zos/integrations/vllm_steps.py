@@ -90,11 +90,6 @@ class VllmDecodeSteps:
             check_int("max_num_blocks_per_req", max_num_blocks_per_req),
             check_int("num_speculative_tokens", num_speculative_tokens, lo=0) > 0)
 
-    @property
-    def num_requests(self) -> int:
-        """Requests the mirror holds (vLLM's running and preempted-but-not-dropped ones)."""
-        return self._mirror.num_requests
-
     def step(self, scheduler_output) -> VllmStep | None:
         """Read one ``SchedulerOutput`` (every step's, in order: the mirror follows them all)
         and return its zos step, or None when it is not a pure-decode step or a row's position
