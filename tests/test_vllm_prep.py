@@ -51,28 +51,15 @@ def stand_in_runner(num_blocks: int):
             num_computed_prefill_tokens=np.zeros(MAX_REQS, np.int32)))
 
 
-def not_called(*args):
-    raise AssertionError("vLLM's own preparation runs only in shadow mode")
-
-
-@pytest.mark.parametrize("padding", ["bucket", "none", "max"])
-@pytest.mark.parametrize("seed,budget,max_running,num_blocks", [(0, 7, 5, 19), (3, 16, 12, 40)])
-def test_decode_steps_as_runner_v2_builds_them(seed, budget, max_running, num_blocks, padding):
-    """vLLM pads a step to its captured size (zos's bucket: the write inside zos's build), or
-    not at all (no CUDA graph: ``batch_desc.num_reqs`` None), or to another size than zos's
-    bucket (zos writes again with vLLM's)."""
-    rng = random.Random(seed)
-    sim = Scheduler(rng, budget, max_running, num_blocks)
-    runner = stand_in_runner(num_blocks)
-    rs, ib = runner.req_states, runner.input_buffers
-    prep = ZosVllmPrep(runner)
-    free, blocks_of = list(range(MAX_REQS)), {}
-    built = 0
-    for _ in range(160):
+def scheduled(sim, runner, rng, blocks_of, steps=160):
+    """The simulated scheduler's outputs that schedule something, each after runner v2's
+    request state (``finish_requests`` / ``add_requests`` / ``update_requests``) and the
+    stand-in's block counts follow it; ``blocks_of`` gets each live request's blocks."""
+    rs, free = runner.req_states, list(range(MAX_REQS))
+    for _ in range(steps):
         for _ in range(rng.choice([0, 0, 1, 2])):
             sim.arrive()
         so = sim.step()
-        # runner v2's request state after finish_requests / add_requests / update_requests
         for rid in so.finished_req_ids | so.preempted_req_ids:
             if rid in rs.req_id_to_index:
                 free.append(rs.req_id_to_index.pop(rid))
@@ -91,8 +78,28 @@ def test_decode_steps_as_runner_v2_builds_them(seed, budget, max_running, num_bl
                                                     rs.prefill_len.np[i])
             runner.block_tables.num_blocks.gpu[0, i] = len(blocks_of[rid])
         rs.last_sampled_tokens[:, 0] = torch.randint(0, 1000, (MAX_REQS,))
-        if not so.num_scheduled_tokens:
-            continue
+        if so.num_scheduled_tokens:
+            yield so
+
+
+def not_called(*args):
+    raise AssertionError("vLLM's own preparation runs only in shadow mode")
+
+
+@pytest.mark.parametrize("padding", ["bucket", "none", "max"])
+@pytest.mark.parametrize("seed,budget,max_running,num_blocks", [(0, 7, 5, 19), (3, 16, 12, 40)])
+def test_decode_steps_as_runner_v2_builds_them(seed, budget, max_running, num_blocks, padding):
+    """vLLM pads a step to its captured size (zos's bucket: the write inside zos's build), or
+    not at all (no CUDA graph: ``batch_desc.num_reqs`` None), or to another size than zos's
+    bucket (zos writes again with vLLM's)."""
+    rng = random.Random(seed)
+    sim = Scheduler(rng, budget, max_running, num_blocks)
+    runner = stand_in_runner(num_blocks)
+    rs, ib = runner.req_states, runner.input_buffers
+    prep = ZosVllmPrep(runner)
+    blocks_of = {}
+    built = 0
+    for so in scheduled(sim, runner, rng, blocks_of):
         n = len(so.num_scheduled_tokens)
         padded = {"bucket": next(s for s in CAPTURE if s >= n), "none": n,
                   "max": MAX_REQS}[padding]
@@ -141,3 +148,40 @@ def test_decode_steps_as_runner_v2_builds_them(seed, budget, max_running, num_bl
     assert prep.stats["zos_steps"] == built
     bucketed = prep.stats["zos_steps"] - prep.stats["rewrites"]
     assert bucketed == built if padding == "bucket" else bucketed < built
+
+
+@pytest.mark.parametrize("fault", [None, "dtype", "value"])
+def test_shadow_comparison_counts_what_differs(fault):
+    """Shadow mode's comparison (``ZosVllmPrep.compare``): a reference that prepares every
+    step as zos does (a second prep on the same runner) differs in nothing; one whose batch
+    carries another dtype or value in a host array is counted and named."""
+    rng = random.Random(4)
+    sim = Scheduler(rng, 16, 12, 40)
+    runner = stand_in_runner(40)
+    prep, ref = ZosVllmPrep(runner, shadow=True), ZosVllmPrep(runner)
+
+    def vllm_prepare_inputs(r, so, desc):
+        batch = ref.prepare_inputs(so, desc, not_called, not_called)
+        if fault == "dtype":
+            batch.num_scheduled_tokens = batch.num_scheduled_tokens.astype(np.int64)
+        elif fault == "value":
+            batch.num_computed_tokens_np = batch.num_computed_tokens_np + 1
+        return batch
+
+    for so in scheduled(sim, runner, rng, {}):
+        n = len(so.num_scheduled_tokens)
+        desc = SimpleNamespace(num_reqs=next(s for s in CAPTURE if s >= n),
+                               num_tokens=next(s for s in CAPTURE if s >= n))
+        ref.observe(so)
+        prep.observe(so)
+        prep.prepare_inputs(so, desc, vllm_prepare_inputs, lambda r, b: None)
+        prep.finish_step()
+        ref.finish_step()
+    stats = prep.stats
+    assert stats["shadow_steps"] == stats["zos_steps"] > 10
+    if fault is None:
+        assert stats["mismatches"] == 0 and stats["first_mismatch"] is None
+    else:
+        assert stats["mismatches"] == stats["zos_steps"]
+        name = "num_scheduled_tokens" if fault == "dtype" else "num_computed_tokens_np"
+        assert name in stats["first_mismatch"]

@@ -297,12 +297,13 @@ class ZosVllmPrep:
         for name in ("idx_mapping_np", "query_start_loc_np", "num_computed_tokens_np",
                      "prefill_len_np", "num_computed_prefill_tokens_np", "cu_num_logits_np",
                      "is_prefilling_np", "num_scheduled_tokens"):
-            if not np.array_equal(getattr(ref_batch, name), getattr(batch, name)):
-                diffs.append(f"{name}: vllm {getattr(ref_batch, name)} zos {getattr(batch, name)}")
+            a, b = getattr(ref_batch, name), getattr(batch, name)
+            if a.dtype != b.dtype or not np.array_equal(a, b):
+                diffs.append(f"{name}: vllm {a} ({a.dtype}) zos {b} ({b.dtype})")
         for name in ("seq_lens_cpu_upper_bound", "idx_mapping", "expanded_idx_mapping",
                      "expanded_local_pos", "logits_indices", "cu_num_logits"):
             a, b = getattr(ref_batch, name), getattr(batch, name)
-            if a.shape != b.shape or not torch.equal(a, b):
+            if a.dtype != b.dtype or a.shape != b.shape or not torch.equal(a, b):
                 diffs.append(f"InputBatch.{name}")
         num_blocks = self.runner.block_tables.num_blocks.gpu[0, ref_batch.idx_mapping]
         for name, a, b in zip(self._FIELDS, ref_fields, self._fields(n, padded)):
