@@ -353,18 +353,25 @@ py::array int32_array(const py::handle& obj, const char* field, bool writeable =
 py::tuple batch_arrays(const py::list& req_ids, const py::dict& req_id_to_index,
                        const py::handle& num_computed_obj, const py::handle& prefill_len_obj,
                        const py::handle& computed_prefill_obj, int64_t padded,
-                       const py::handle& idx_out_obj) {
+                       const py::handle& new_rows_obj, const py::handle& new_tokens_obj) {
   const py::array num_computed = int32_array(num_computed_obj, "num_computed_tokens");
   const py::array prefill_len = int32_array(prefill_len_obj, "prefill_len");
   const py::array computed_prefill = int32_array(computed_prefill_obj,
                                                  "num_computed_prefill_tokens");
-  py::array idx_out = int32_array(idx_out_obj, "idx_out", true);
+  const py::array new_rows = int32_array(new_rows_obj, "new_rows");
+  py::array new_tokens = int32_array(new_tokens_obj, "new_tokens", true);
   const int64_t n = PyList_GET_SIZE(req_ids.ptr());
   const int64_t reqs = std::min({num_computed.shape(0), prefill_len.shape(0),
                                  computed_prefill.shape(0)});
-  if (n > idx_out.shape(0))
-    throw py::value_error("idx_out holds " + std::to_string(idx_out.shape(0)) +
-                          " rows, the step has " + std::to_string(n));
+  const int64_t m = new_rows.shape(0);
+  if (new_tokens.shape(0) != m)
+    throw py::value_error("new_tokens holds " + std::to_string(new_tokens.shape(0)) +
+                          " rows, new_rows " + std::to_string(m));
+  const auto* nr = static_cast<const int32_t*>(new_rows.data());
+  for (int64_t i = 0; i < m; ++i)
+    if (nr[i] < 0 || nr[i] >= n)
+      throw py::value_error("new_rows[" + std::to_string(i) + "] = " + std::to_string(nr[i]) +
+                            " is not a row of the step's " + std::to_string(n));
   if (padded < n)
     throw py::value_error("padded must be >= the step's rows " + std::to_string(n) +
                           ", got " + std::to_string(padded));
@@ -383,7 +390,8 @@ py::tuple batch_arrays(const py::list& req_ids, const py::dict& req_id_to_index,
                             " outside the request state's " + std::to_string(reqs) + " rows");
     ix[r] = static_cast<int32_t>(i);
   }
-  std::copy(ix, ix + n, static_cast<int32_t*>(idx_out.mutable_data()));
+  auto* nt = static_cast<int32_t*>(new_tokens.mutable_data());
+  for (int64_t i = 0; i < m; ++i) nt[i] = ix[nr[i]];
   const auto* nc = static_cast<const int32_t*>(num_computed.data());
   const auto* pl = static_cast<const int32_t*>(prefill_len.data());
   const auto* cp = static_cast<const int32_t*>(computed_prefill.data());
@@ -431,7 +439,8 @@ finishes or preempts; ValueError / TypeError for a field of another type or leng
                              "Requests the mirror holds.");
   m.def("vllm_batch_arrays", &batch_arrays, py::arg("req_ids"), py::arg("req_id_to_index"),
         py::arg("num_computed_tokens"), py::arg("prefill_len"),
-        py::arg("num_computed_prefill_tokens"), py::arg("padded"), py::arg("idx_out"),
+        py::arg("num_computed_prefill_tokens"), py::arg("padded"), py::arg("new_rows"),
+        py::arg("new_tokens"),
         R"doc(The host arrays of vLLM 0.26 runner v2's ``InputBatch`` for a uniform one-token step
 of N = len(req_ids) rows padded to ``padded``, in one call (zos.integrations.vllm_prep).
 
@@ -439,14 +448,15 @@ Args: req_ids: list of N request ids (str); req_id_to_index: runner v2's
 ``req_states.req_id_to_index`` (request id -> index of its request state);
 num_computed_tokens, prefill_len, num_computed_prefill_tokens: int32 [R], runner v2's request
 state by index (``num_computed_tokens_np``, ``prefill_len.np``,
-``num_computed_prefill_tokens``); padded: rows after padding (>= N); idx_out: writeable int32
-[>= N], its first N words get the request indices (a pinned upload buffer).
+``num_computed_prefill_tokens``); padded: rows after padding (>= N); new_rows: int32 [M], the
+zos step's new rows; new_tokens: writeable int32 [M], set to those rows' request indices (the
+token zos stages for a new row inside vLLM: zos.integrations.vllm_buffers).
 
 Returns (numpy, new): idx_mapping int32 [N]; num_computed_tokens int32 [N]; the seq_lens upper
 bound int32 [padded] (num_computed + 1, 0 for padded rows); prefill_len int32 [N];
 num_computed_prefill_tokens int32 [N]; is_prefilling bool [N]; num_scheduled_tokens int32 [N]
 (ones); query_start_loc int32 [padded + 1] (min(i, N)); cu_num_logits int32 [N + 1] (0..N).
-Raises, before writing idx_out: TypeError for an array of another dtype or layout; ValueError
-for a request not in req_id_to_index, an index outside the state arrays, idx_out shorter than
-N or padded < N.)doc");
+Raises, before writing new_tokens: TypeError for an array of another dtype or layout;
+ValueError for a request not in req_id_to_index, an index outside the state arrays, padded < N,
+new_tokens not of new_rows' length or a new row outside [0, N).)doc");
 }

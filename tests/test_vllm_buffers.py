@@ -44,20 +44,24 @@ def vllm_tensors(max_reqs, max_tokens, width):
         slot_mapping=torch.full((max_tokens,), STALE, dtype=torch.int64, device=DEVICE))
 
 
-def vllm_state(n, seed):
-    """Runner v2's request state: each row's request index and the tokens sampled last."""
+def vllm_state(seed):
+    """Runner v2's tokens sampled last (50 request slots: zos_step's tokens are the rows'
+    request indices), and the two int32 tensors the write fills: idx_mapping and zos's
+    carried row state, stale."""
     rng = np.random.default_rng(seed)
-    idx = torch.from_numpy(rng.permutation(40)[:n].astype(np.int32)).to(DEVICE)
-    sampled = torch.from_numpy(rng.integers(0, 49_152, (40, 1))).to(DEVICE)
-    return idx, sampled
+    sampled = torch.from_numpy(rng.integers(0, 49_152, (50, 1))).to(DEVICE)
+    return sampled, *(torch.full((24,), STALE, dtype=torch.int32, device=DEVICE)
+                      for _ in range(2))
 
 
-def runner_v2_reference(meta, idx, sampled, n, padded, max_reqs, max_tokens, width):
-    """Runner v2's tensors after a decode step of the n rows of meta, padded to `padded`."""
+def runner_v2_reference(meta, sampled, n, padded, max_reqs, max_tokens, width):
+    """Runner v2's tensors after a decode step of the n rows of meta (zos's token of a row
+    being its request index), padded to `padded`."""
     ref = {k: v.cpu().clone() for k, v in vllm_tensors(max_reqs, max_tokens, width)
            .__dict__.items()}
+    idx = meta.input_ids[:n].cpu().long()
     # combine_sampled_and_draft_tokens: a decode row's token is its request's last sampled
-    ref["input_ids"][:n] = sampled.cpu()[idx.cpu().long(), 0].int()
+    ref["input_ids"][:n] = sampled.cpu()[idx, 0].int()
     ref["positions"][:n] = meta.positions[:n].cpu().long()  # prepare_pos_seq_lens
     ref["seq_lens"][:n] = meta.seq_lens[:n].cpu()
     ref["seq_lens"][n:] = 0  # its extra program zeroes seq_lens[num_reqs:max_num_reqs]
@@ -80,10 +84,14 @@ def runner_v2_reference(meta, idx, sampled, n, padded, max_reqs, max_tokens, wid
                           (13, 16, 40, 40, 11)])
 def test_decode_inputs_equal_runner_v2s(n, padded, max_reqs, max_tokens, width):
     meta = zos_step(n, seed=n)
-    idx, sampled = vllm_state(n, seed=n)
+    sampled, idx, carry = vllm_state(seed=n)
     out = vllm_tensors(max_reqs, max_tokens, width)
-    write_vllm_decode_inputs(meta, idx, sampled, out, padded)
-    ref = runner_v2_reference(meta, idx, sampled, n, padded, max_reqs, max_tokens, width)
+    write_vllm_decode_inputs(meta, carry, idx, sampled, out, padded)
+    # each row's request index (zos's token of the row) into idx_mapping and the carried state
+    for t in (idx, carry):
+        assert t[:n].tolist() == meta.input_ids[:n].tolist()
+        assert t[n:].eq(STALE).all()
+    ref = runner_v2_reference(meta, sampled, n, padded, max_reqs, max_tokens, width)
     for name, want in ref.items():
         got = getattr(out, name).cpu()
         if name == "block_table":  # columns past a real row's blocks: stale in vLLM, zos's 0
@@ -96,7 +104,7 @@ def test_decode_inputs_equal_runner_v2s(n, padded, max_reqs, max_tokens, width):
 
 def test_bad_tensors_are_refused_before_any_write():
     meta = zos_step(3, seed=0)
-    idx, sampled = vllm_state(3, seed=0)
+    sampled, idx, carry = vllm_state(seed=0)
     out = vllm_tensors(8, 8, W)
     bad = [(dict(positions=out.positions.int()), TypeError, "positions must be a torch.int64"),
            (dict(seq_lens=out.seq_lens[:4]), ValueError, "query_start_loc must have 5 rows"),
@@ -105,17 +113,21 @@ def test_bad_tensors_are_refused_before_any_write():
                  slot_mapping=out.slot_mapping[:4]), ValueError, "must hold a token per row")]
     for change, error, message in bad:
         with pytest.raises(error, match=message):
-            write_vllm_decode_inputs(meta, idx, sampled,
+            write_vllm_decode_inputs(meta, carry, idx, sampled,
                                      VllmDecodeInputs(**{**out.__dict__, **change}), 4)
     for padded in (0, 9):
         with pytest.raises(ValueError, match="padded_reqs"):
-            write_vllm_decode_inputs(meta, idx, sampled, out, padded)
+            write_vllm_decode_inputs(meta, carry, idx, sampled, out, padded)
     with pytest.raises(TypeError, match="idx_mapping must be a torch.int32"):
-        write_vllm_decode_inputs(meta, idx.long(), sampled, out, 4)
+        write_vllm_decode_inputs(meta, carry, idx.long(), sampled, out, 4)
+    with pytest.raises(TypeError, match="carry must be a torch.int32"):
+        write_vllm_decode_inputs(meta, carry.long(), idx, sampled, out, 4)
     with pytest.raises(TypeError, match="last_sampled_tokens must be a torch.int64"):
-        write_vllm_decode_inputs(meta, idx, sampled.int(), out, 4)
+        write_vllm_decode_inputs(meta, carry, idx, sampled.int(), out, 4)
     with pytest.raises(ValueError, match="idx_mapping must be 1-D, contiguous"):
-        write_vllm_decode_inputs(meta, torch.stack([idx, idx], 1)[:, 0], sampled, out, 4)
+        write_vllm_decode_inputs(meta, carry, torch.stack([idx, idx], 1)[:, 0], sampled, out, 4)
     with pytest.raises(ValueError, match="idx_mapping holds 2 rows, the step 3"):
-        write_vllm_decode_inputs(meta, idx[:2], sampled, out, 4)
-    assert all(t.eq(STALE).all() for t in out.__dict__.values())
+        write_vllm_decode_inputs(meta, carry, idx[:2], sampled, out, 4)
+    with pytest.raises(ValueError, match="carry holds 2 rows, the step 3"):
+        write_vllm_decode_inputs(meta, carry[:2], idx, sampled, out, 4)
+    assert all(t.eq(STALE).all() for t in (*out.__dict__.values(), idx, carry))

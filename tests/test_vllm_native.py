@@ -25,8 +25,10 @@ def test_batch_arrays_match_runner_v2(n, extra, seed):
     index = {f"r{i}": int(j) for i, j in enumerate(rng.permutation(reqs))}
     req_ids = [f"r{i}" for i in rng.permutation(reqs)[:n]]
     padded = n + extra
-    idx_out = np.full(n + 3, -1, np.int32)
-    got = vllm_batch_arrays(req_ids, index, computed, prefill, cprefill, padded, idx_out)
+    new_rows = np.sort(rng.permutation(n)[: rng.integers(0, n + 1)]).astype(np.int32)
+    new_tokens = np.full(len(new_rows), -1, np.int32)
+    got = vllm_batch_arrays(req_ids, index, computed, prefill, cprefill, padded, new_rows,
+                            new_tokens)
     idx = np.array([index[r] for r in req_ids], np.int32)
     upper = np.zeros(padded, np.int32)
     upper[:n] = computed[idx] + 1
@@ -36,28 +38,33 @@ def test_batch_arrays_match_runner_v2(n, extra, seed):
     assert len(got) == len(want)
     for g, w in zip(got, want):
         assert g.dtype == w.dtype and g.tolist() == w.tolist()
-    assert idx_out[:n].tolist() == idx.tolist() and idx_out[n:].tolist() == [-1] * 3
+    assert new_tokens.tolist() == idx[new_rows].tolist()
 
 
 def test_batch_arrays_refuse_before_writing():
     rng = np.random.default_rng(5)
     computed, prefill, cprefill = state(rng, 4)
-    idx_out = np.full(4, -1, np.int32)
+    rows, tokens = np.array([1], np.int32), np.full(1, -1, np.int32)
     args = (computed, prefill, cprefill)
+    two = {"a": 0, "b": 1}
     with pytest.raises(ValueError, match="req_id_to_index has no request 'b'"):
-        vllm_batch_arrays(["a", "b"], {"a": 0}, *args, 2, idx_out)
+        vllm_batch_arrays(["a", "b"], {"a": 0}, *args, 2, rows, tokens)
     with pytest.raises(ValueError, match="request index 4 outside the request state's 4 rows"):
-        vllm_batch_arrays(["a"], {"a": 4}, *args, 1, idx_out)
+        vllm_batch_arrays(["a", "b"], {"a": 0, "b": 4}, *args, 2, rows, tokens)
     with pytest.raises(ValueError, match="padded must be >= the step's rows 2, got 1"):
-        vllm_batch_arrays(["a", "b"], {"a": 0, "b": 1}, *args, 1, idx_out)
-    with pytest.raises(ValueError, match="idx_out holds 4 rows, the step has 5"):
-        vllm_batch_arrays(list("abcde"), {c: 0 for c in "abcde"}, *args, 5, idx_out)
+        vllm_batch_arrays(["a", "b"], two, *args, 1, rows, tokens)
+    with pytest.raises(ValueError, match=r"new_rows\[0\] = 1 is not a row of the step's 1"):
+        vllm_batch_arrays(["a"], two, *args, 1, rows, tokens)
+    with pytest.raises(ValueError, match="new_tokens holds 2 rows, new_rows 1"):
+        vllm_batch_arrays(["a", "b"], two, *args, 2, rows, np.zeros(2, np.int32))
     with pytest.raises(TypeError, match="prefill_len must be a 1-D C-contiguous int32"):
-        vllm_batch_arrays(["a"], {"a": 0}, computed, prefill.astype(np.int64), cprefill, 1,
-                          idx_out)
-    with pytest.raises(TypeError, match="idx_out must be a 1-D C-contiguous writeable int32"):
-        vllm_batch_arrays(["a"], {"a": 0}, *args, 1, np.zeros(4, np.int32)[::2])
-    assert idx_out.tolist() == [-1] * 4
+        vllm_batch_arrays(["a", "b"], two, computed, prefill.astype(np.int64), cprefill, 2,
+                          rows, tokens)
+    frozen = np.zeros(1, np.int32)
+    frozen.flags.writeable = False
+    with pytest.raises(TypeError, match="new_tokens must be a 1-D C-contiguous writeable int32"):
+        vllm_batch_arrays(["a", "b"], two, *args, 2, rows, frozen)
+    assert tokens.tolist() == [-1]
 
 
 def output(new=(), cached=(), computed=(), new_blocks=None, finished=()):

@@ -78,7 +78,7 @@ class VllmDecodeInputs:
         return max_reqs, max_tokens
 
 
-def write_vllm_decode_inputs(meta: StepMetadata, idx_mapping: torch.Tensor,
+def write_vllm_decode_inputs(meta: StepMetadata, carry: torch.Tensor, idx_mapping: torch.Tensor,
                              last_sampled_tokens: torch.Tensor, out: VllmDecodeInputs,
                              padded_reqs: int) -> None:
     """Write the decode step of ``meta`` (zos's views, one token per request row, its real row
@@ -87,16 +87,22 @@ def write_vllm_decode_inputs(meta: StepMetadata, idx_mapping: torch.Tensor,
     knows). One launch on the current stream, capturable in a CUDA graph (N is read there; every
     tensor must then keep its address, as runner v2's persistent ones do).
 
-    The input tokens are vLLM's, not zos's: row r's is ``last_sampled_tokens[idx_mapping[r], 0]``
-    (``idx_mapping``: int32 [>= N], each row's request index in vLLM's request state, runner
-    v2's ``InputBatch.idx_mapping``; ``last_sampled_tokens``: int64 [max_num_reqs, 1],
-    ``req_states.last_sampled_tokens``), so zos's ``meta.input_ids`` is not read.
+    zos's token of row r (``meta.input_ids[r]``) is not a token here but the row's request
+    index in vLLM's request state: the caller stages each new row with its index as the token
+    (in [0, last_sampled_tokens.shape[0]): ``ZosVllmPrep``'s backend takes ``vocab_size =
+    max_num_reqs``, so zos's packer refuses any other), and this launch writes every row's index
+    into ``carry`` (int32 [>= N], zos's ``DecodeBuffers.sampled``: the token zos gives a carried
+    row in the next step), so a request keeps its index through zos's remap with no upload. It
+    also writes the index into ``idx_mapping`` (int32 [>= N], runner v2's
+    ``InputBatch.idx_mapping``). The input tokens are vLLM's: row r's is
+    ``last_sampled_tokens[idx, 0]`` (int64 [max_num_reqs, 1], ``req_states.last_sampled_tokens``).
 
     Raises:
         TypeError / ValueError: a tensor of ``out`` off its dtype, shape or device
-            (:meth:`VllmDecodeInputs.check`), ``idx_mapping`` / ``last_sampled_tokens`` off
-            theirs (dtype: TypeError; 1-D / 2-D, contiguous in the last dimension, on ``out``'s
-            device), ``meta`` not a decode step of one token per row or
+            (:meth:`VllmDecodeInputs.check`), ``carry`` / ``idx_mapping`` /
+            ``last_sampled_tokens`` off theirs (dtype: TypeError; 1-D / 2-D, contiguous in the
+            last dimension, on ``out``'s device; ``carry`` and ``idx_mapping`` of at least N
+            rows), ``meta`` not a decode step of one token per row or
             on another device, its block table wider than ``out``'s, or ``padded_reqs`` not an
             int in [1, max_num_reqs]; nothing is written then.
     """
@@ -109,21 +115,21 @@ def write_vllm_decode_inputs(meta: StepMetadata, idx_mapping: torch.Tensor,
                          "DecodeBuffers view with uniform_decode_query_len 1)")
     if meta.input_ids.device != out.input_ids.device:
         raise ValueError(f"meta is on {meta.input_ids.device}, out on {out.input_ids.device}")
-    _check_tensor("idx_mapping", idx_mapping, torch.int32, 1, out.input_ids.device)
+    for name, t in (("carry", carry), ("idx_mapping", idx_mapping)):
+        _check_tensor(name, t, torch.int32, 1, out.input_ids.device)
+        if t.numel() < meta.num_reqs:
+            raise ValueError(f"{name} holds {t.numel()} rows, the step {meta.num_reqs}")
     _check_tensor("last_sampled_tokens", last_sampled_tokens, torch.int64, 2,
                   out.input_ids.device)
-    if idx_mapping.numel() < meta.num_reqs:
-        raise ValueError(f"idx_mapping holds {idx_mapping.numel()} rows, the step "
-                         f"{meta.num_reqs}")
     rows, width = meta.block_table.shape
     if rows > max_reqs or width > out.block_table.shape[1]:
         raise ValueError(f"meta's block table [{rows}, {width}] does not fit out's "
                          f"{tuple(out.block_table.shape)}")
-    launch_unchecked(meta, idx_mapping, last_sampled_tokens, out, padded_reqs, max_reqs,
+    launch_unchecked(meta, carry, idx_mapping, last_sampled_tokens, out, padded_reqs, max_reqs,
                      max_tokens)
 
 
-def launch_unchecked(meta: StepMetadata, idx_mapping: torch.Tensor,
+def launch_unchecked(meta: StepMetadata, carry: torch.Tensor, idx_mapping: torch.Tensor,
                      last_sampled_tokens: torch.Tensor, out: VllmDecodeInputs, padded_reqs: int,
                      max_reqs: int, max_tokens: int) -> None:
     """:func:`write_vllm_decode_inputs`'s launch without its checks, for a caller that made
@@ -131,7 +137,8 @@ def launch_unchecked(meta: StepMetadata, idx_mapping: torch.Tensor,
     :meth:`VllmDecodeInputs.check`; ``meta`` any view of the same buffers: the kernel reads
     the real row count from ``meta.counts``)."""
     _kernel[(max_reqs + 1,)](
-        meta.counts, idx_mapping, last_sampled_tokens, last_sampled_tokens.stride(0),
+        meta.counts, meta.input_ids, carry, idx_mapping, last_sampled_tokens,
+        last_sampled_tokens.stride(0),
         meta.positions, meta.seq_lens, meta.block_table,
         meta.block_table.stride(0), meta.slot_mapping, out.input_ids, out.positions,
         out.query_start_loc, out.seq_lens, out.block_table, out.block_table.stride(0),

@@ -28,7 +28,7 @@ import time
 import numpy as np
 import torch
 
-from zos._C import PinnedUpload, vllm_batch_arrays
+from zos._C import vllm_batch_arrays
 from zos.buckets import BucketTable
 from zos.buffers import DecodeBuffers
 from zos.device_backend import DeviceMetadataBackend
@@ -110,36 +110,26 @@ class ZosVllmPrep:
         cuda = dev.type == "cuda"
         # the write is the epilogue of every zos build: on CUDA inside zos's prep graph of
         # each padded size, so a step's stage, build and write are one native call
-        meta, idx, sampled, out = (self._meta, self.idx_mapping,
-                                   runner.req_states.last_sampled_tokens, self.out)
+        # idx_mapping is zos row state: a new row is staged with its request index as its
+        # token, the write copies every row's index into idx_mapping and into zos's sampled
+        # tokens (a carried row's next token), so no step uploads it
+        meta, carry, idx, sampled, out = (self._meta, self.buffers.sampled, self.idx_mapping,
+                                          runner.req_states.last_sampled_tokens, self.out)
         max_reqs, max_tokens = self.max_reqs, self._max_tokens
 
         def write(padded: int) -> None:
             """The step zos built last into vLLM's tensors, padded to ``padded`` rows
-            (``write_vllm_decode_inputs``'s kernel, its checks made above), each row's input
-            token through ``self.idx_mapping``. No reference to ``self``: the backend holds
-            it, and a cycle would leave the backend's release to the garbage collector."""
-            launch_unchecked(meta, idx, sampled, out, padded, max_reqs, max_tokens)
+            (``write_vllm_decode_inputs``'s kernel, its checks made above). No reference to
+            ``self``: the backend holds it, and a cycle would leave the backend's release to
+            the garbage collector."""
+            launch_unchecked(meta, carry, idx, sampled, out, padded, max_reqs, max_tokens)
         self._write = write
+        # vocab_size: zos's "tokens" are request indices, in [0, max_num_reqs)
         self.backend = DeviceMetadataBackend(
             self.buffers, num_kv_blocks=runner.kv_cache_config.num_blocks,
-            vocab_size=runner.vocab_size, buckets=buckets, capture_prep=cuda,
-            epilogue=write)
+            vocab_size=self.max_reqs, buckets=buckets, capture_prep=cuda, epilogue=write)
         if not cuda:  # compiled now, not in the first decode step (a CUDA capture did it)
             write(0)
-        # idx_mapping's upload: two pinned buffers, each copy one native call on the
-        # backend's stream (vLLM's main stream), fenced (zos._C.PinnedUpload); on a CPU one
-        # staging row and a plain copy
-        self._idx_upload = None
-        self._idx_host_np = np.zeros((1, self.max_reqs), np.int32)
-        if cuda:
-            self._idx_host = torch.zeros(2, self.max_reqs, dtype=torch.int32, pin_memory=True)
-            self._idx_host_np = self._idx_host.numpy()
-            self._idx_upload = PinnedUpload(
-                self.idx_mapping.data_ptr(), self._idx_host[0].data_ptr(),
-                self._idx_host[1].data_ptr(), self._idx_host[0].nbytes,
-                dev.index if dev.index is not None else torch.cuda.current_device())
-            self._idx_stream = self.backend.stream.cuda_stream
         arange = torch.arange(self.max_reqs + 1, dtype=torch.int32, device=dev)
         arange_i64 = arange.to(torch.int64)
         zeros = torch.zeros(self.max_reqs, dtype=torch.int32, device=dev)
@@ -207,8 +197,11 @@ class ZosVllmPrep:
         num_tokens_padded = batch_desc.num_tokens
         clock, phase = time.perf_counter, self.stats["phase_s"]
         t0 = clock()
+        rs, step = runner.req_states, vstep.step
         (idx_np, num_computed, upper, prefill_len, computed_prefill, is_prefilling, scheduled,
-         query_start_loc_np, cu_num_logits_np) = self._batch_arrays(req_ids, padded)
+         query_start_loc_np, cu_num_logits_np) = vllm_batch_arrays(
+            req_ids, rs.req_id_to_index, rs.num_computed_tokens_np, rs.prefill_len.np,
+            rs.num_computed_prefill_tokens, padded, step.new_rows, step.new_tokens)
         t1 = clock()
         md = self.backend.prepare(vstep.step)  # its write pads to zos's padded size
         if md.padded_size != padded:  # vLLM padded otherwise: its padding written again
@@ -241,31 +234,6 @@ class ZosVllmPrep:
             logits_indices=logits_indices, cu_num_logits=cu_num_logits,
             cu_num_logits_np=cu_num_logits_np,
             has_structured_output_reqs=so.has_structured_output_requests, prompt_lens=None)
-
-    def _batch_arrays(self, req_ids: list[str], padded: int) -> tuple[np.ndarray, ...]:
-        """The InputBatch's host arrays of the rows ``req_ids`` padded to ``padded``
-        (``zos._C.vllm_batch_arrays``, from vLLM's request state), their request indices
-        uploaded into ``self.idx_mapping``: on CUDA written straight into the next pinned
-        buffer (waiting, if ever, for that buffer's previous copy) and copied, on a CPU a
-        plain copy."""
-        rs, up = self.runner.req_states, self._idx_upload
-        k = up.acquire() if up is not None else 0
-        arrays = vllm_batch_arrays(req_ids, rs.req_id_to_index, rs.num_computed_tokens_np,
-                                   rs.prefill_len.np, rs.num_computed_prefill_tokens, padded,
-                                   self._idx_host_np[k])
-        if up is None:
-            self.idx_mapping[:len(req_ids)] = torch.from_numpy(arrays[0])
-        else:
-            up.submit(k, 4 * len(req_ids), self._idx_stream)
-        return arrays
-
-    def __del__(self) -> None:
-        up = getattr(self, "_idx_upload", None)
-        if up is not None:
-            try:  # no copy may read the pinned buffers once they are freed
-                up.synchronize()
-            except RuntimeError:  # at interpreter exit the CUDA context may be gone
-                pass
 
     _FIELDS = ("input_ids", "positions", "query_start_loc", "seq_lens", "block_table",
                "slot_mapping")

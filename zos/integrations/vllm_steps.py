@@ -35,9 +35,10 @@ output reads these fields through the C API, with a slot of per-request arrays f
 and one dict lookup per row.
 
 Under asynchronous scheduling (vLLM's default) the host does not know the token a request
-sampled last: new rows stage the placeholder token 0, and every row's input token is vLLM's
-(``last_sampled_tokens``, read on the device by
-:func:`zos.integrations.vllm_buffers.write_vllm_decode_inputs`).
+sampled last: every row's input token is vLLM's (``last_sampled_tokens``, read on the device by
+:func:`zos.integrations.vllm_buffers.write_vllm_decode_inputs`). A new row's staged token is a
+placeholder (0) here; :class:`~zos.integrations.vllm_prep.ZosVllmPrep` replaces it with the
+row's request index in vLLM's state, which zos then carries as row state.
 """
 from __future__ import annotations
 
@@ -60,7 +61,8 @@ class VllmStep:
     Attributes:
         step: what changed since the last zos step; ``step.req_ids`` are zos's ids (int64, one
             per request lifetime: a request that leaves and comes back is new).
-            ``step.new_tokens`` are placeholders (0): the input tokens are vLLM's.
+            ``step.new_tokens`` are placeholders (0, writeable): the input tokens are
+            vLLM's (module docstring).
         req_ids: vLLM's request id of each row, in vLLM's batch order.
     """
 
