@@ -3,11 +3,12 @@
 :class:`ZosVllmPrep` belongs to one ``vllm.v1.worker.gpu.model_runner.GPUModelRunner`` after
 its KV cache is initialised. For every scheduler output it updates zos's mirror
 (:class:`~zos.integrations.vllm_steps.VllmDecodeSteps`); for a pure-decode step it replaces what
-runner v2's ``prepare_inputs`` and ``prepare_attn`` do on the device (the ``query_start_loc``
-upload and the four kernels ``prepare_pos_seq_lens``, ``combine_sampled_and_draft_tokens``,
-``gather_block_tables``, ``compute_slot_mappings``) by zos's staged record, zos's prep and the
-kernel of :func:`~zos.integrations.vllm_buffers.write_vllm_decode_inputs` into runner v2's own
-persistent tensors (on CUDA captured together, the write as the build's epilogue, in zos's
+runner v2's ``prepare_inputs`` and ``prepare_attn`` do on the device (the ``idx_mapping`` and
+``query_start_loc`` uploads and the four kernels ``prepare_pos_seq_lens``,
+``combine_sampled_and_draft_tokens``, ``gather_block_tables``, ``compute_slot_mappings``) by
+zos's staged record, zos's prep and the kernel of
+:func:`~zos.integrations.vllm_buffers.write_vllm_decode_inputs` into runner v2's own persistent
+tensors (on CUDA captured together, the write as the build's epilogue, in zos's
 prep graph of each padded size: one native call stages the record and launches both), and
 builds the ``InputBatch`` runner v2 would build (its host fields from vLLM's own
 request state, so attention metadata, sampling and output handling stay vLLM's). Prefill and
@@ -79,8 +80,8 @@ class ZosVllmPrep:
             ``mismatches`` (fields that differed, summed over steps), ``first_mismatch`` (a
             description or None), ``prep_s`` (host seconds in zos's ``prepare_inputs``),
             ``phase_s`` (two parts of it: ``batch_arrays``, the InputBatch's host arrays and
-            the idx_mapping upload, one native call each; ``prepare``, zos's stage, build and
-            write, on CUDA one native call; the rest makes runner v2's ``InputBatch``),
+            the new rows' request indices, one native call; ``prepare``, zos's stage, build
+            and write, on CUDA one native call; the rest makes runner v2's ``InputBatch``),
             ``rewrites`` (steps vLLM padded to another size than zos's bucket: the write
             launched a second time).
     """
