@@ -52,11 +52,15 @@ def test_batch_arrays_refuse_before_writing():
         vllm_batch_arrays(["a", "b"], {"a": 0, "b": 1}, *args, 1, idx_out)
     with pytest.raises(ValueError, match="idx_out holds 4 rows, the step has 5"):
         vllm_batch_arrays(list("abcde"), {c: 0 for c in "abcde"}, *args, 5, idx_out)
-    with pytest.raises(TypeError, match="prefill_len must be a 1-D C-contiguous int32"):
+    with pytest.raises(TypeError, match="prefill_len must have dtype int32, got int64"):
         vllm_batch_arrays(["a"], {"a": 0}, computed, prefill.astype(np.int64), cprefill, 1,
                           idx_out)
-    with pytest.raises(TypeError, match="idx_out must be a 1-D C-contiguous writeable int32"):
+    with pytest.raises(ValueError, match="idx_out must be contiguous"):
         vllm_batch_arrays(["a"], {"a": 0}, *args, 1, np.zeros(4, np.int32)[::2])
+    frozen = np.zeros(4, np.int32)
+    frozen.flags.writeable = False
+    with pytest.raises(ValueError, match="idx_out is read-only"):
+        vllm_batch_arrays(["a"], {"a": 0}, *args, 1, frozen)
     assert idx_out.tolist() == [-1] * 4
 
 
