@@ -8,6 +8,7 @@
 #include <memory>
 #include <string>
 
+#include "numpy_checks.h"
 #include "packer.h"
 #include "remap.h"
 #include "staging.h"
@@ -19,40 +20,7 @@ void register_vllm_mirror(py::module_& m);  // csrc/vllm_mirror.cpp
 
 namespace {
 
-#if __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
-constexpr char kNativeOrder = '<';
-#else
-constexpr char kNativeOrder = '>';
-#endif
-
-template <typename T>
-const char* dtype_name() {
-  return sizeof(T) == 8 ? "int64" : "int32";
-}
-
-// Checks that obj is a 1-D C-contiguous numpy array of T; returns it.
-template <typename T>
-py::array checked(const py::handle& obj, const char* field, bool writeable = false) {
-  if (!py::isinstance<py::array>(obj))
-    throw py::type_error(std::string(field) + " must be a numpy array (use tensor.numpy()), got " +
-                         std::string(py::str(py::type::of(obj))));
-  auto arr = py::reinterpret_borrow<py::array>(obj);
-  // Compare kind, size and byte order, not dtype identity: an unpickled array
-  // has an equal dtype that is a different object.
-  const auto dt = arr.dtype();
-  const bool native = dt.byteorder() == '=' || dt.byteorder() == '|' ||
-                      dt.byteorder() == kNativeOrder;
-  if (dt.kind() != 'i' || dt.itemsize() != static_cast<py::ssize_t>(sizeof(T)) || !native)
-    throw py::type_error(std::string(field) + " must have dtype " + dtype_name<T>() + ", got " +
-                         std::string(py::str(arr.dtype())));
-  if (arr.ndim() != 1)
-    throw py::value_error(std::string(field) + " must be 1-D, got " + std::to_string(arr.ndim()) +
-                          " dimensions");
-  if (!(arr.flags() & py::array::c_style))
-    throw py::value_error(std::string(field) + " must be contiguous");
-  if (writeable && !arr.writeable()) throw py::value_error(std::string(field) + " is read-only");
-  return arr;
-}
+using zos::checked;
 
 template <typename T>
 const T* ptr(const py::array& a) {

@@ -18,6 +18,8 @@
 #include <string>
 #include <vector>
 
+#include "numpy_checks.h"
+
 namespace py = pybind11;
 
 namespace {
@@ -317,12 +319,9 @@ class VllmMirror {
         indptr.push_back(static_cast<int32_t>(flat.size()));
       }
       z[r] = zid_[s];
-    }
-    for (Py_ssize_t r = 0; r < n; ++r) {
-      const int64_t s = slots[r];
-      last_stamp_[s] = stamp_;
-      last_pos_[s] = computed_[s];
-      last_num_blocks_[s] = num_blocks_[s];
+      last_stamp_[s] = stamp_;  // a step's requests are distinct: no row reads these again
+      last_pos_[s] = p;
+      last_num_blocks_[s] = nb;
     }
     prev_ = stamp_;
     const std::vector<int32_t> tokens(new_rows.size(), 0);
@@ -334,32 +333,19 @@ class VllmMirror {
   }
 };
 
-// obj as a 1-D C-contiguous numpy array of int32 (writeable if asked), else TypeError naming it.
-py::array int32_array(const py::handle& obj, const char* field, bool writeable = false) {
-  if (!py::isinstance<py::array>(obj))
-    throw py::type_error(std::string(field) + " must be a numpy array, got " +
-                         Py_TYPE(obj.ptr())->tp_name);
-  auto a = py::reinterpret_borrow<py::array>(obj);
-  if (a.dtype().kind() != 'i' || a.itemsize() != 4 || a.ndim() != 1 ||
-      !(a.flags() & py::array::c_style) || (writeable && !a.writeable()))
-    throw py::type_error(std::string(field) + " must be a 1-D C-contiguous " +
-                         (writeable ? "writeable " : "") + "int32 numpy array, got dtype " +
-                         std::string(py::str(a.dtype())) + " ndim " + std::to_string(a.ndim()));
-  return a;
-}
-
 // The host arrays of runner v2's InputBatch for a uniform one-token step (vllm_prep.py), in one
 // call: each row's request index looked up, vLLM's request state gathered. See the binding.
 py::tuple batch_arrays(const py::list& req_ids, const py::dict& req_id_to_index,
                        const py::handle& num_computed_obj, const py::handle& prefill_len_obj,
                        const py::handle& computed_prefill_obj, int64_t padded,
                        const py::handle& new_rows_obj, const py::handle& new_tokens_obj) {
-  const py::array num_computed = int32_array(num_computed_obj, "num_computed_tokens");
-  const py::array prefill_len = int32_array(prefill_len_obj, "prefill_len");
-  const py::array computed_prefill = int32_array(computed_prefill_obj,
-                                                 "num_computed_prefill_tokens");
-  const py::array new_rows = int32_array(new_rows_obj, "new_rows");
-  py::array new_tokens = int32_array(new_tokens_obj, "new_tokens", true);
+  using zos::checked;
+  const py::array num_computed = checked<int32_t>(num_computed_obj, "num_computed_tokens");
+  const py::array prefill_len = checked<int32_t>(prefill_len_obj, "prefill_len");
+  const py::array computed_prefill = checked<int32_t>(computed_prefill_obj,
+                                                      "num_computed_prefill_tokens");
+  const py::array new_rows = checked<int32_t>(new_rows_obj, "new_rows");
+  py::array new_tokens = checked<int32_t>(new_tokens_obj, "new_tokens", true);
   const int64_t n = PyList_GET_SIZE(req_ids.ptr());
   const int64_t reqs = std::min({num_computed.shape(0), prefill_len.shape(0),
                                  computed_prefill.shape(0)});
@@ -456,7 +442,8 @@ Returns (numpy, new): idx_mapping int32 [N]; num_computed_tokens int32 [N]; the 
 bound int32 [padded] (num_computed + 1, 0 for padded rows); prefill_len int32 [N];
 num_computed_prefill_tokens int32 [N]; is_prefilling bool [N]; num_scheduled_tokens int32 [N]
 (ones); query_start_loc int32 [padded + 1] (min(i, N)); cu_num_logits int32 [N + 1] (0..N).
-Raises, before writing new_tokens: TypeError for an array of another dtype or layout;
-ValueError for a request not in req_id_to_index, an index outside the state arrays, padded < N,
-new_tokens not of new_rows' length or a new row outside [0, N).)doc");
+Raises, before writing new_tokens: TypeError for an array of another dtype; ValueError for one
+not 1-D or not contiguous, a read-only new_tokens, a request not in req_id_to_index, an index
+outside the state arrays, padded < N, new_tokens not of new_rows' length or a new row outside
+[0, N).)doc");
 }

@@ -1,5 +1,6 @@
 """The staging record: Python mirror, C++ header and packer output agree; the kernels and
 the numba builder read it only through the exported layout; the upload's stream."""
+import dataclasses
 import importlib.util
 import inspect
 
@@ -523,10 +524,7 @@ def test_a_step_of_arrays_is_checked_when_staged():
     record as the checked step's, and still refuses an array of another dtype (TypeError
     naming the field), before writing anything."""
     checked = DecodeStep.build([7, 8], {0: (11, 3, [5]), 1: (12, 4, [6, 9])})
-    fields = [getattr(checked, name) for name in (
-        "req_ids", "new_rows", "new_tokens", "new_positions", "new_block_indptr",
-        "new_block_ids", "append_rows", "append_block_ids", "rewrite_rows",
-        "rewrite_block_indptr", "rewrite_block_ids")]
+    fields = [getattr(checked, f.name) for f in dataclasses.fields(DecodeStep)]
     want = pack(small_packer(), checked)[1]
     out = np.full(256, -7, np.int32)
     words = small_packer().pack_step(DecodeStep.of_arrays(fields), out)

@@ -57,12 +57,14 @@ def test_batch_arrays_refuse_before_writing():
         vllm_batch_arrays(["a"], two, *args, 1, rows, tokens)
     with pytest.raises(ValueError, match="new_tokens holds 2 rows, new_rows 1"):
         vllm_batch_arrays(["a", "b"], two, *args, 2, rows, np.zeros(2, np.int32))
-    with pytest.raises(TypeError, match="prefill_len must be a 1-D C-contiguous int32"):
+    with pytest.raises(TypeError, match="prefill_len must have dtype int32, got int64"):
         vllm_batch_arrays(["a", "b"], two, computed, prefill.astype(np.int64), cprefill, 2,
                           rows, tokens)
+    with pytest.raises(ValueError, match="new_tokens must be contiguous"):
+        vllm_batch_arrays(["a", "b"], two, *args, 2, rows, np.zeros(4, np.int32)[::2])
     frozen = np.zeros(1, np.int32)
     frozen.flags.writeable = False
-    with pytest.raises(TypeError, match="new_tokens must be a 1-D C-contiguous writeable int32"):
+    with pytest.raises(ValueError, match="new_tokens is read-only"):
         vllm_batch_arrays(["a", "b"], two, *args, 2, rows, frozen)
     assert tokens.tolist() == [-1]
 

@@ -161,9 +161,7 @@ class DecodeStep:
 
     def __post_init__(self) -> None:
         self.req_ids = _ints("req_ids", self.req_ids, _I64)
-        for name in ("new_rows", "new_tokens", "new_positions", "new_block_indptr",
-                     "new_block_ids", "append_rows", "append_block_ids", "rewrite_rows",
-                     "rewrite_block_indptr", "rewrite_block_ids"):
+        for name in _FIELD_NAMES[1:]:
             setattr(self, name, _ints(name, getattr(self, name), _I32))
 
     @classmethod
