@@ -343,7 +343,7 @@ py::tuple batch_arrays(const py::list& req_ids, const py::dict& req_id_to_index,
   const py::array num_computed = checked<int32_t>(num_computed_obj, "num_computed_tokens");
   const py::array prefill_len = checked<int32_t>(prefill_len_obj, "prefill_len");
   const py::array computed_prefill = checked<int32_t>(computed_prefill_obj,
-                                                 "num_computed_prefill_tokens");
+                                                      "num_computed_prefill_tokens");
   py::array idx_out = checked<int32_t>(idx_out_obj, "idx_out", true);
   const int64_t n = PyList_GET_SIZE(req_ids.ptr());
   const int64_t reqs = std::min({num_computed.shape(0), prefill_len.shape(0),
@@ -433,6 +433,6 @@ bound int32 [padded] (num_computed + 1, 0 for padded rows); prefill_len int32 [N
 num_computed_prefill_tokens int32 [N]; is_prefilling bool [N]; num_scheduled_tokens int32 [N]
 (ones); query_start_loc int32 [padded + 1] (min(i, N)); cu_num_logits int32 [N + 1] (0..N).
 Raises, before writing idx_out: TypeError for an array of another dtype; ValueError for one
-not 1-D or not contiguous, a read-only idx_out, a request not in req_id_to_index, an index outside the state arrays, idx_out shorter than
-N or padded < N.)doc");
+not 1-D or not contiguous, a read-only idx_out, a request not in req_id_to_index, an index
+outside the state arrays, idx_out shorter than N or padded < N.)doc");
 }
