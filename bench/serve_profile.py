@@ -13,6 +13,10 @@ Usage: python bench/serve_profile.py OUT.json zos|tf|tf_async SERVER ARGS...
   ``schedule_batch``).
 
 ``OUT.json`` is rewritten every 2 s (the server is stopped with SIGTERM, which uvicorn handles).
+transformers 5.25's server runs each model in a spawned process of its own (its manager, the
+scheduler and the steps): that process profiles itself into ``OUT.model.json`` (the server's
+loader is replaced by a subclass that starts the sampler and the step log where it loads the
+model; this script is the spawned process's main module, so the subclass unpickles there).
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ import time
 
 _steps: list = []
 _sched: dict = {}
+_MODEL_PROFILE = None  # (path, kind) of the model's process, set by main on transformers 5.25
 
 
 def _sampler(path: str, interval: float) -> None:
@@ -64,19 +69,30 @@ def _sampler(path: str, interval: float) -> None:
             os.replace(path + ".tmp", path)
 
 
-def _hook_steps() -> None:
+def _recorded(schedule_batch):
+    def recorder(*a, **k):
+        out = schedule_batch(*a, **k)
+        _sched["n"] = len(out[0]) if out[0] is not None else 0
+        _sched["q"] = out[2]
+        return out
+    return recorder
+
+
+def _hook_steps(kind: str) -> None:
     from transformers.generation.continuous_batching import continuous_api, scheduler
 
     for cls in vars(scheduler).values():
         if isinstance(cls, type) and "schedule_batch" in vars(cls):
-            orig_sched = cls.schedule_batch
+            cls.schedule_batch = _recorded(cls.schedule_batch)
+    if kind == "zos":  # zos's split schedule replaces schedule_batch on the instance
+        from zos.integrations import hf_manager
 
-            def schedule_batch(self, *a, _orig=orig_sched, **k):
-                out = _orig(self, *a, **k)
-                _sched["n"] = len(out[0]) if out[0] is not None else 0
-                _sched["q"] = out[2]
-                return out
-            cls.schedule_batch = schedule_batch
+        split = hf_manager.split_steps
+
+        def split_steps(sched):
+            split(sched)
+            sched.schedule_batch = _recorded(sched.schedule_batch)
+        hf_manager.split_steps = split_steps
     body = continuous_api.ContinuousBatchingManager._generation_loop_body
 
     def loop_body(self, *a, **k):
@@ -90,14 +106,67 @@ def _hook_steps() -> None:
     continuous_api.ContinuousBatchingManager._generation_loop_body = loop_body
 
 
+def _start(path: str, kind: str) -> None:
+    """The step log and the stack sampler of this process, into ``path``."""
+    _hook_steps(kind)
+    threading.Thread(target=_sampler, daemon=True, name="zos-sampler", args=(
+        path, float(os.environ.get("ZOS_PROFILE_INTERVAL", "0.005")))).start()
+
+
+try:  # transformers 5.25: the model's process is spawned by the server
+    from transformers.cli.serving import model_manager as _model_manager
+
+    from zos.integrations.serve_525 import ZosModelLoader
+except ImportError:  # 5.17: the model runs in the server's process
+    _model_manager = None
+
+if _model_manager is not None:
+    class _ProfiledLoad:
+        """A loader whose ``load_model_and_processor`` (in the model's process) first starts
+        the profile there."""
+
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            self.zos_profile = _MODEL_PROFILE
+
+        def load_model_and_processor(self, model_id, on_progress=None):
+            if self.zos_profile:
+                _start(*self.zos_profile)
+            return super().load_model_and_processor(model_id, on_progress)
+
+    class ProfiledLoader(_ProfiledLoad, _model_manager.ModelLoader):
+        """transformers' loader, profiled."""
+
+    class ProfiledZosLoader(_ProfiledLoad, ZosModelLoader):
+        """zos's loader, profiled."""
+
+
+def _profile_model_process(path: str, kind: str) -> None:
+    """On transformers 5.25, make the server build profiled loaders (zos's after
+    ``serve_525.install`` sets its own)."""
+    global _MODEL_PROFILE
+    if _model_manager is None:
+        return
+    _MODEL_PROFILE = (path.removesuffix(".json") + ".model.json", kind)
+    if kind != "zos":
+        _model_manager.ModelLoader = ProfiledLoader
+        return
+    from zos.integrations import serve_525
+
+    install = serve_525.install
+
+    def profiled_install(options=None):
+        install(options)
+        _model_manager.ModelLoader = ProfiledZosLoader
+    serve_525.install = profiled_install
+
+
 def main() -> int:
     path, kind, args = sys.argv[1], sys.argv[2], sys.argv[3:]
-    interval = float(os.environ.get("ZOS_PROFILE_INTERVAL", "0.005"))
     if kind == "zos":
         from zos.integrations import serve
-    _hook_steps()
-    threading.Thread(target=_sampler, args=(path, interval), daemon=True,
-                     name="zos-sampler").start()
+    _start(path, kind)
+    _profile_model_process(path, kind)
     if kind == "zos":
         return serve.main(args)
     if kind == "tf_async":  # transformers' server with async batching, as bench_serve runs it

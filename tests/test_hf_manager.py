@@ -182,6 +182,37 @@ def test_cancelled_request_is_finished_for_the_batch_in_flight():
         assert state.status == RequestStatus.FINISHED
 
 
+def test_cancelled_requests_leave_the_waiting_order_as_transformers_does():
+    """zos hands transformers' clear an empty waiting order and removes the cancelled requests
+    from the real one in one pass: the queues after it equal transformers' own clear's (the
+    reference: the class's method on a second scheduler fed the same requests), active,
+    waiting, absent and repeated ids cancelled in one call."""
+    import random
+
+    rng = random.Random(5)
+    with zos_batch_processor(2, 8) as (_, bp):
+        ref = type(bp.scheduler)(bp.cache, None, bp.scheduler.max_requests_per_batch)
+        for i in range(40):
+            for sched in (bp.scheduler, ref):
+                sched.add_waiting_request(RequestState(
+                    request_id=f"r{i}", initial_tokens=[1, 2, 3], max_new_tokens=2))
+        for sched in (bp.scheduler, ref):  # one active request, as if scheduled
+            sched.active_requests["r3"] = sched.waiting_requests.pop("r3")
+            sched.waiting_requests_order.remove("r3")
+        for _ in range(3):
+            ids = [f"r{rng.randrange(45)}" for _ in range(7)] + ["r3"]
+            for sched in (bp.scheduler, ref):
+                for rid in ids:
+                    sched.set_request_cancellation(rid)
+            got = bp.scheduler.clear_cancelled_requests()
+            want = type(ref).clear_cancelled_requests(ref)
+            assert sorted(s.request_id for s in got) == sorted(s.request_id for s in want)
+            assert list(bp.scheduler.waiting_requests_order) == list(ref.waiting_requests_order)
+            assert bp.scheduler.waiting_requests.keys() == ref.waiting_requests.keys()
+            assert bp.scheduler.active_requests.keys() == ref.active_requests.keys()
+            assert all(s.status == RequestStatus.FINISHED for s in got)
+
+
 def test_warmup_step_runs_without_autograd():
     """transformers' server starts its manager (and so zos's warm-up) with autograd on: a
     warm-up step must leave the KV cache outside any autograd graph (the cache's ``index_copy_``

@@ -29,10 +29,10 @@ LENGTHS = [5, 17, 40, 3, 23, 9, 31]
 def recorded_run(monkeypatch, mixed_steps, lengths=LENGTHS, new=7, graphs=False,
                  asynchronous=False, **cb_kw):
     """Outputs of a zos-enabled ``generate_batch`` and its batches as scheduled: per batch,
-    ``(kinds, decoding, below)``: per request True (it was decoding) / False (a prefill
-    chunk), whether any request was decoding when the batch was scheduled, and whether the
-    cache was below transformers' safety margin then; and how many times transformers
-    offloaded requests."""
+    ``(kinds, decoding, below, read_waiting)``: per request True (it was decoding) / False (a
+    prefill chunk), whether any request was decoding when the batch was scheduled, whether the
+    cache was below transformers' safety margin then, and whether the scheduler read the
+    waiting queue for it; and how many times transformers offloaded requests."""
     model = tiny_llama(3)
     batches, offloads = [], []
     offload = continuous_api.OffloadingManager.offload_requests
@@ -40,16 +40,19 @@ def recorded_run(monkeypatch, mixed_steps, lengths=LENGTHS, new=7, graphs=False,
                         lambda self: offloads.append(1) or offload(self))
 
     def record(scheduler):
-        schedule = scheduler.schedule_batch
+        schedule, waiting_candidates = scheduler.schedule_batch, scheduler._get_waiting_candidates
+        read = []
+        scheduler._get_waiting_candidates = lambda: read.append(1) or waiting_candidates()
 
         def schedule_batch(*args):
             decoding = {rid for rid, st in scheduler.active_requests.items()
                         if st.status == RequestStatus.DECODING}
             below = internals().below_safety_margin(scheduler)
+            read.clear()
             out = schedule(*args)
             if out[0]:
                 batches.append(([fs.state.request_id in decoding for fs in out[0]],
-                                bool(decoding), below))
+                                bool(decoding), below, bool(read)))
             return out
 
         scheduler.schedule_batch = schedule_batch
@@ -83,7 +86,10 @@ def test_no_step_mixes_prefill_and_decode(monkeypatch, graphs, asynchronous):
     for i in range(1, len(batches)):
         assert not (prefill[i - 1] and prefill[i] and batches[i][1]), (i, batches)
     # ... and new requests are not held back until nothing decodes
-    assert any(p and decoding for p, (_, decoding, _) in zip(prefill, batches))
+    assert any(p and decoding for p, (_, decoding, *_) in zip(prefill, batches))
+    # a decode-only step does not read the waiting queue (thousands of requests past saturation)
+    assert not any(read for p, (*_, read) in zip(prefill, batches) if not p)
+    assert any(read for p, (*_, read) in zip(prefill, batches) if p)
 
 
 def test_transformers_schedule_mixes_them_on_this_workload(monkeypatch):
@@ -101,7 +107,7 @@ def test_separate_steps_under_a_cache_that_offloads(monkeypatch):
                                                 new=9, num_blocks=12, max_batch_tokens=32)
     assert got == want and offloads > 0
     assert all(len(set(kinds)) == 1 for kinds, *_ in batches)
-    assert not any(not kinds[0] and decoding and below for kinds, decoding, below in batches)
+    assert not any(not kinds[0] and decoding and below for kinds, decoding, below, _ in batches)
 
 
 def test_other_schedulers_are_kept_with_a_warning():

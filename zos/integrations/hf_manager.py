@@ -199,13 +199,28 @@ def finish_cancelled(scheduler) -> None:
     and only a request finishing in ``update_batch`` clears it. When the requests left active
     are cancelled instead, nothing clears it: the waiting requests are never scheduled and the
     manager idles forever (seen with 12 blocks of 4 tokens and cancels in flight). A cancelled
-    request's blocks are freed as a finished one's are, so its removal clears the flag too."""
+    request's blocks are freed as a finished one's are, so its removal clears the flag too.
+
+    transformers looks every cancelled request up in the waiting order, a deque (one scan of
+    the queue per cancelled request: past saturation, thousands of waiting requests times every
+    closed stream). It is handed an empty order instead, and the removed requests leave the
+    real one in one pass. Every writer of the order runs on the manager's thread, as this
+    does."""
+    from collections import deque
+
     from transformers.generation.continuous_batching.requests import RequestStatus
 
     clear = scheduler.clear_cancelled_requests
 
     def clear_cancelled_requests():
-        states = clear()
+        order, scheduler.waiting_requests_order = scheduler.waiting_requests_order, deque()
+        try:
+            states = clear()
+        finally:
+            scheduler.waiting_requests_order = order
+        if states and order:
+            gone = {state.request_id for state in states}
+            scheduler.waiting_requests_order = deque(r for r in order if r not in gone)
         for state in states:
             state._status = RequestStatus.FINISHED  # as the offloading's soft reset: no setter
         if states:

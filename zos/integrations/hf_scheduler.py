@@ -53,23 +53,27 @@ def split_steps(scheduler) -> None:
                 decoding.append(state)
             elif state.status == RequestStatus.PREFILLING:
                 prefilling.append(state)
-        if not scheduler.block_new_requests:
-            prefilling.extend(scheduler._get_waiting_candidates())
-        prefill = bool(prefilling) and (not decoding or not (
+        waiting = not scheduler.block_new_requests and bool(scheduler.waiting_requests)
+        prefill = (bool(prefilling) or waiting) and (not decoding or not (
             last_was_prefill or tfi.below_safety_margin(scheduler)))
         failed, starved = False, {}
-        for candidates in ([prefilling, decoding] if prefill else [decoding, prefilling]):
+        for kind in ((True, False) if prefill else (False, True)):
+            # the waiting queue is read only for a prefill-only step: a decode-only step costs
+            # nothing per waiting request (thousands of them past saturation)
+            candidates = (prefilling + (scheduler._get_waiting_candidates() if waiting else [])
+                          if kind else decoding)
             if not candidates:
                 continue
             removed: set[str] = set()
             scheduled, one_failed, fast, q, kv = scheduler._process_candidates(
                 candidates, token_budget, cache_budget, removed)
-            scheduler._cleanup_waiting_queue(removed)
+            if removed:
+                scheduler._cleanup_waiting_queue(removed)
             failed |= one_failed
-            starved[candidates is decoding] = scheduler.starved_requests  # a list per call
+            starved[not kind] = scheduler.starved_requests  # a list per call
             scheduler.starved_requests = starved.get(True, []) + starved.get(False, [])
             if scheduled:
-                last_was_prefill = candidates is prefilling
+                last_was_prefill = kind
                 return scheduled, fast, q, kv
         last_was_prefill = False
         return (None if failed else []), False, 0, 0
