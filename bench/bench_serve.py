@@ -646,6 +646,12 @@ def main(argv=None) -> int:
     except ValueError as e:
         print(e, file=sys.stderr)
         return 2
+    old = [label for kind, _, label in servers
+           if kind not in VLLM_SERVERS and label.split("@")[1].startswith("5.17")]
+    if args.api_servers < 1 or (args.api_servers > 1 and old):
+        print(f"--api-servers must be >= 1, and > 1 needs transformers 5.25's server: got "
+              f"{args.api_servers} with {old or 'no 5.17 server'}", file=sys.stderr)
+        return 2
     levels = ([float(x) for x in args.rates.split(",")] if args.rates
               else [int(x) for x in args.streams.split(",")])
     root = Path(args.work_dir or tempfile.mkdtemp(prefix="zos-serve-"))

@@ -117,8 +117,8 @@ try:  # transformers 5.25: the model's process is spawned by the server
     from transformers.cli.serving import model_manager as _model_manager
 
     from zos.integrations.serve_525 import ZosModelLoader
-except ImportError:  # 5.17: the model runs in the server's process
-    _model_manager = None
+except (ImportError, AttributeError):  # 5.17: the model runs in the server's process (its
+    _model_manager = None                 # model_manager has no ModelLoader)
 
 if _model_manager is not None:
     class _ProfiledLoad:

@@ -87,7 +87,9 @@ def test_no_step_mixes_prefill_and_decode(monkeypatch, graphs, asynchronous):
         assert not (prefill[i - 1] and prefill[i] and batches[i][1]), (i, batches)
     # ... and new requests are not held back until nothing decodes
     assert any(p and decoding for p, (_, decoding, *_) in zip(prefill, batches))
-    # a decode-only step does not read the waiting queue (thousands of requests past saturation)
+    # a decode-only step does not read the waiting queue (thousands of requests past
+    # saturation); on this workload the cache never refuses a prefill, after which a
+    # decode-only step would follow a prefill attempt that read it
     assert not any(read for p, (*_, read) in zip(prefill, batches) if not p)
     assert any(read for p, (*_, read) in zip(prefill, batches) if p)
 

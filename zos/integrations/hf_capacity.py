@@ -108,7 +108,10 @@ def fail_unschedulable(bp) -> None:
                     f"{held} of the cache's {tfi.num_blocks(cache)} blocks of "
                     f"{tfi.page_size(cache)} tokens and no other request can make room"), state)
                 scheduler.finish_request(rid)
-                if scheduler.waiting_requests.pop(rid, None) is not None:
+                # 5.17 keeps a prefix-matched request it then skipped in the waiting dict,
+                # not in the order
+                if (scheduler.waiting_requests.pop(rid, None) is not None
+                        and rid in scheduler.waiting_requests_order):
                     scheduler.waiting_requests_order.remove(rid)
                 bp.offloading_manager.free_request_cpu_cache(state)
                 state._status = RequestStatus.FINISHED  # no setter: its end is delivered

@@ -204,8 +204,9 @@ def finish_cancelled(scheduler) -> None:
     transformers looks every cancelled request up in the waiting order, a deque (one scan of
     the queue per cancelled request: past saturation, thousands of waiting requests times every
     closed stream). It is handed an empty order instead, and the removed requests leave the
-    real one in one pass. Every writer of the order runs on the manager's thread, as this
-    does."""
+    real one in one pass (every entry of a removed id: transformers removes one, and an id
+    added twice would leave a stale entry behind). Every writer of the order runs on the
+    manager's thread, as this does."""
     from collections import deque
 
     from transformers.generation.continuous_batching.requests import RequestStatus
