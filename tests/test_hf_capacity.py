@@ -177,3 +177,39 @@ def test_cancels_in_flight_under_a_small_cache(seed, graphs, asynchronous):
     for rid in kept:
         prompt, new = sent[rid]
         assert finished[rid].generated_tokens == reference(model, prompt, new), rid
+
+
+def test_failed_request_left_in_the_waiting_dict_only():
+    """transformers 5.17 keeps a request it prefix-matched and then skipped in the waiting
+    dict but not in the waiting order (it is active too). When that request is the one the
+    cache cannot hold, zos fails it and drops it from both queues instead of raising from the
+    order (a ValueError would stop the manager). The state is set up by hand on a zos batch
+    processor, whose ``prepare_next_batch`` raises transformers' NO_ROOM once."""
+    from test_hf_manager import zos_batch_processor
+    from transformers.generation.continuous_batching.requests import RequestState, RequestStatus
+
+    from zos.integrations.hf_capacity import NO_ROOM, fail_unschedulable
+
+    with zos_batch_processor(2, 8) as (_, bp):
+        sched = bp.scheduler
+        state = RequestState(request_id="a", initial_tokens=[1, 2, 3], max_new_tokens=2)
+        state.status = RequestStatus.PREFILLING
+        sched.active_requests["a"] = state
+        sched.add_waiting_request(RequestState(request_id="b", initial_tokens=[4, 5],
+                                               max_new_tokens=2))
+        sched.waiting_requests["a"] = state  # in the dict, not in the order
+        raised = []
+
+        def prepare():
+            if not raised:
+                raised.append(1)
+                sched.starved_requests = [(state, 1)]
+                raise RuntimeError(NO_ROOM)
+            return False
+
+        bp.prepare_next_batch = prepare
+        fail_unschedulable(bp)
+        assert bp.prepare_next_batch() is False
+        assert state.status == RequestStatus.FINISHED
+        assert "a" not in sched.active_requests and "a" not in sched.waiting_requests
+        assert list(sched.waiting_requests_order) == ["b"]
