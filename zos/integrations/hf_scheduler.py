@@ -57,11 +57,11 @@ def split_steps(scheduler) -> None:
         prefill = (bool(prefilling) or waiting) and (not decoding or not (
             last_was_prefill or tfi.below_safety_margin(scheduler)))
         failed, starved = False, {}
-        for kind in ((True, False) if prefill else (False, True)):
+        for prefill_step in ((True, False) if prefill else (False, True)):
             # the waiting queue is read only for a prefill-only step: a decode-only step costs
             # nothing per waiting request (thousands of them past saturation)
             candidates = (prefilling + (scheduler._get_waiting_candidates() if waiting else [])
-                          if kind else decoding)
+                          if prefill_step else decoding)
             if not candidates:
                 continue
             removed: set[str] = set()
@@ -70,10 +70,10 @@ def split_steps(scheduler) -> None:
             if removed:
                 scheduler._cleanup_waiting_queue(removed)
             failed |= one_failed
-            starved[not kind] = scheduler.starved_requests  # a list per call
+            starved[not prefill_step] = scheduler.starved_requests  # a list per call
             scheduler.starved_requests = starved.get(True, []) + starved.get(False, [])
             if scheduled:
-                last_was_prefill = kind
+                last_was_prefill = prefill_step
                 return scheduled, fast, q, kv
         last_was_prefill = False
         return (None if failed else []), False, 0, 0
