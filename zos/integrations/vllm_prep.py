@@ -192,19 +192,19 @@ class ZosVllmPrep:
 
     def _prepare(self, vstep: VllmStep, so, batch_desc):
         from vllm.v1.worker.gpu.input_batch import InputBatch
-        runner, req_ids = self.runner, vstep.req_ids
+        runner, req_ids, step = self.runner, vstep.req_ids, vstep.step
         n = len(req_ids)
         padded = batch_desc.num_reqs or n
         num_tokens_padded = batch_desc.num_tokens
         clock, phase = time.perf_counter, self.stats["phase_s"]
         t0 = clock()
-        rs, step = runner.req_states, vstep.step
+        rs = runner.req_states
         (idx_np, num_computed, upper, prefill_len, computed_prefill, is_prefilling, scheduled,
          query_start_loc_np, cu_num_logits_np) = vllm_batch_arrays(
             req_ids, rs.req_id_to_index, rs.num_computed_tokens_np, rs.prefill_len.np,
             rs.num_computed_prefill_tokens, padded, step.new_rows, step.new_tokens)
         t1 = clock()
-        md = self.backend.prepare(vstep.step)  # its write pads to zos's padded size
+        md = self.backend.prepare(step)  # its write pads to zos's padded size
         if md.padded_size != padded:  # vLLM padded otherwise: its padding written again
             self._write(padded)
             self.stats["rewrites"] += 1
