@@ -8,6 +8,11 @@ Usage: python bench/serve_profile.py OUT.json zos|tf|tf_async SERVER ARGS...
   (file:name), the samples in which it was on the stack (inclusive) and on top (self). A
   thread waiting for the GIL shows at the line where it waits, so self counts of a busy
   process include GIL waits;
+* CPU time per thread (Linux, ``/proc/self/task``): per 2-s window, each Python thread's user
+  + system seconds (``cpu_windows``: [window end (perf_counter s), {thread: s}]). A thread
+  running Python holds the GIL, so the Python threads' sum near 1 s per second means the
+  process is bound by the GIL (a thread in a native wait, e.g. a spinning CUDA synchronize,
+  burns CPU without it);
 * step log: each ``ContinuousBatchingManager._generation_loop_body`` that ran a batch: start
   (perf_counter s), seconds, requests in the batch and query tokens (from the scheduler's
   ``schedule_batch``).
@@ -32,8 +37,24 @@ _sched: dict = {}
 _MODEL_PROFILE = None  # (path, kind) of the model's process, set by main on transformers 5.25
 
 
+def _thread_cpu() -> dict:
+    """User + system CPU seconds of each live Python thread, by name ({} without /proc)."""
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    out = {}
+    for t in threading.enumerate():
+        try:
+            with open(f"/proc/self/task/{t.native_id}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError, TypeError):
+            continue
+        out[t.name] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime (fields 14, 15)
+    return out
+
+
 def _sampler(path: str, interval: float) -> None:
     me = threading.get_ident()
+    cpu_windows: list = []
+    last_cpu = _thread_cpu()
     inclusive: dict = collections.defaultdict(collections.Counter)
     self_: dict = collections.defaultdict(collections.Counter)
     total: collections.Counter = collections.Counter()
@@ -60,10 +81,14 @@ def _sampler(path: str, interval: float) -> None:
                 frame = frame.f_back
         if time.monotonic() - last_dump > 2.0:
             last_dump = time.monotonic()
+            cpu = _thread_cpu()
+            cpu_windows.append([round(time.perf_counter(), 3), {
+                n: round(c - last_cpu.get(n, 0.0), 3) for n, c in cpu.items()}])
+            last_cpu = cpu
             doc = dict(interval_s=interval, threads={
                 n: dict(samples=total[n], inclusive=inclusive[n].most_common(60),
                         self=self_[n].most_common(40)) for n in total},
-                steps=list(_steps))
+                steps=list(_steps), cpu_windows=cpu_windows)
             with open(path + ".tmp", "w") as f:
                 json.dump(doc, f)
             os.replace(path + ".tmp", path)
