@@ -7,6 +7,7 @@
 # transformers 5.25 (its wheels and those it needs beside the machine's packages in DIR, from
 # bench/tf525_wheels.sh; TF525_TESTS narrows them).
 # Writes under $OUT (default ./gpu_check_out): summary.txt (date and the suite's last line),
+# triton_cache.tgz (Triton's compile cache: TRITON_CACHE_TGZ below),
 # logs.tgz (build, tests, memcheck, racecheck, prep, breakdown, e2e, guard logs) and the JSONs
 # of bench_prep, host_breakdown, bench_e2e and step_guard (FAIL where the own engine's step is
 # over 1.5x the committed e2e figure).
@@ -18,6 +19,16 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 t0=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
+
+# Triton's compile cache (CUDA only, keyed by kernel source, Triton and the GPU's arch): with
+# TRITON_CACHE_TGZ=FILE (a .tgz an earlier run wrote to $OUT, carried back as an ignored path)
+# the kernels compile once across machine starts; the cache after the run goes to
+# $OUT/triton_cache.tgz when under 48 MiB.
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/zos_triton_cache}
+mkdir -p "$TRITON_CACHE_DIR"
+if [ -n "${TRITON_CACHE_TGZ:-}" ] && [ -f "$TRITON_CACHE_TGZ" ]; then
+  tar xzf "$TRITON_CACHE_TGZ" -C "$TRITON_CACHE_DIR" && stamp "Triton cache from $TRITON_CACHE_TGZ"
+fi
 
 stamp "build"
 python3 -m pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1 \
@@ -93,4 +104,6 @@ if [ "${BENCH:-1}" = 1 ]; then
   echo "step_guard rc=$?"; cat "$OUT/guard.log"
 fi
 stamp "done"
+tar czf "$OUT/triton_cache.tgz" -C "$TRITON_CACHE_DIR" . \
+  && [ "$(stat -c %s "$OUT/triton_cache.tgz")" -lt $((48 << 20)) ] || rm -f "$OUT/triton_cache.tgz"
 cd "$OUT" && tar czf logs.tgz ./*.log && rm -f ./*.log
