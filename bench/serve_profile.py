@@ -15,7 +15,10 @@ Usage: python bench/serve_profile.py OUT.json zos|tf|tf_async SERVER ARGS...
   burns CPU without it);
 * step log: each ``ContinuousBatchingManager._generation_loop_body`` that ran a batch: start
   (perf_counter s), seconds, requests in the batch and query tokens (from the scheduler's
-  ``schedule_batch``).
+  ``schedule_batch``);
+* zos's stages (``zos``): each ``ZosDecodeRows.stage`` timed, and the backend's stage inside
+  it (``zos_stages``: [start, seconds, backend seconds]): what the rest of it (the carry map
+  and its copy, the metadata views) costs, measured rather than sampled.
 
 ``OUT.json`` is rewritten every 2 s (the server is stopped with SIGTERM, which uvicorn handles).
 transformers 5.25's server runs each model in a spawned process of its own (its manager, the
@@ -33,6 +36,7 @@ import threading
 import time
 
 _steps: list = []
+_stages: list = []  # zos's decode stages: [start, seconds, the backend's stage seconds]
 _sched: dict = {}
 _MODEL_PROFILE = None  # (path, kind) of the model's process, set by main on transformers 5.25
 
@@ -88,7 +92,7 @@ def _sampler(path: str, interval: float) -> None:
             doc = dict(interval_s=interval, threads={
                 n: dict(samples=total[n], inclusive=inclusive[n].most_common(60),
                         self=self_[n].most_common(40)) for n in total},
-                steps=list(_steps), cpu_windows=cpu_windows)
+                steps=list(_steps), cpu_windows=cpu_windows, zos_stages=list(_stages))
             with open(path + ".tmp", "w") as f:
                 json.dump(doc, f)
             os.replace(path + ".tmp", path)
@@ -111,6 +115,7 @@ def _hook_steps(kind: str) -> None:
             cls.schedule_batch = _recorded(cls.schedule_batch)
     if kind == "zos":  # zos's split schedule replaces schedule_batch on the instance
         from zos.integrations import hf_manager
+        _time_stages()
 
         split = hf_manager.split_steps
 
@@ -129,6 +134,31 @@ def _hook_steps(kind: str) -> None:
                            _sched["q"]))
         return out
     continuous_api.ContinuousBatchingManager._generation_loop_body = loop_body
+
+
+def _time_stages() -> None:
+    """Time each ``ZosDecodeRows.stage`` and the backend stage it calls (``_stages``)."""
+    from zos.device_backend import DeviceMetadataBackend
+    from zos.integrations.hf_rows import ZosDecodeRows
+
+    stage, backend_stage, inner = ZosDecodeRows.stage, DeviceMetadataBackend.stage, [0.0]
+
+    def timed_backend(self, step):
+        t = time.perf_counter()
+        try:
+            return backend_stage(self, step)
+        finally:
+            inner[0] = time.perf_counter() - t
+
+    def timed_stage(self, built, **kw):
+        inner[0] = 0.0
+        t = time.perf_counter()
+        try:
+            return stage(self, built, **kw)
+        finally:
+            _stages.append((round(t, 6), round(time.perf_counter() - t, 7), round(inner[0], 7)))
+    DeviceMetadataBackend.stage = timed_backend
+    ZosDecodeRows.stage = timed_stage
 
 
 def _start(path: str, kind: str) -> None:
