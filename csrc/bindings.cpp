@@ -1,6 +1,13 @@
 // Python bindings of the native core (module zos._C). Arrays are numpy arrays
 // (a pinned torch tensor passes as tensor.numpy(), sharing its memory); every
-// check runs before anything is written, and the work runs without the GIL.
+// check runs before anything is written.
+//
+// The GIL is released only around a wait on the device (a ring slot or pinned buffer still
+// in use, a synchronize), never around work of microseconds: a thread that drops the GIL
+// takes it back only when the thread holding it lets go, which a busy Python thread does
+// every switch interval (5 ms by default). In a serving process (transformers' server: the
+// generation loop beside the thread that sends outputs) each release on the step's path
+// could cost up to that.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
@@ -36,7 +43,6 @@ int64_t compute_remap(const py::handle& prev_obj, const py::handle& curr_obj,
     throw py::value_error("out has " + std::to_string(out.size()) + " elements, needs at least " +
                           std::to_string(curr.size()));
   thread_local zos::RemapTable table;
-  py::gil_scoped_release release;
   return table.compute(ptr<int64_t>(prev), prev.size(), ptr<int64_t>(curr), curr.size(),
                        static_cast<int32_t*>(out.mutable_data()));
 }
@@ -139,7 +145,6 @@ CheckedStep check_step_object(const py::handle& step) {
 int64_t pack_checked(zos::StepPacker& self, const CheckedStep& c, const py::handle& out_obj,
                      int32_t seq) {
   auto out = checked<int32_t>(out_obj, "out", true);
-  py::gil_scoped_release release;
   return self.pack(c.in, static_cast<int32_t*>(out.mutable_data()), out.size(), seq);
 }
 
@@ -179,7 +184,20 @@ struct StageCall {
 };
 constexpr const char* kStageCallName = "zos._C.StageCall";
 
-// One stage, without the GIL: refused (RuntimeError, nothing done) while the stream is
+// sink.acquire(args...), the GIL released only if it must wait.
+template <typename Sink, typename... Args>
+int acquire_released_if_waiting(Sink& sink, Args... args) {
+  if (sink.ready()) return sink.acquire(args...);
+  py::gil_scoped_release release;
+  return sink.acquire(args...);
+}
+
+// Whether the stage's sink would wait for the device (its next slot or buffer still in use).
+bool sink_ready(const StageCall& s) {
+  return s.ring != nullptr ? s.ring->ready() : s.upload->ready();
+}
+
+// One stage (the GIL released only when the sink must wait): refused (RuntimeError, nothing done) while the stream is
 // capturing a CUDA graph: a stage is host work outside any graph (docs/ZOS.md, "The runner
 // contract"), and its fences, copy or launch would be captured instead of done. Else the next
 // slot (after the build of the record it holds has finished) or pinned buffer (after its
@@ -265,7 +283,9 @@ PyObject* stage_call(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
         static_cast<uint64_t>(nargs == 3 ? int_arg(args[2], "graph_exec", 0, INT64_MAX) : 0);
     const CheckedStep c = check_step_object(args[0]);
     int64_t words;
-    {
+    if (sink_ready(*s)) {
+      words = stage_step(*s, c.in, seq, graph_exec);
+    } else {
       py::gil_scoped_release release;
       words = stage_step(*s, c.in, seq, graph_exec);
     }
@@ -487,10 +507,12 @@ Raises:
         current.)doc")
       .def(py::init<uint64_t, uint64_t, uint64_t, int64_t, int64_t>(), py::arg("dst"),
            py::arg("src0"), py::arg("src1"), py::arg("capacity"), py::arg("device") = -1)
-      .def("acquire", &zos::PinnedUpload::acquire, py::call_guard<py::gil_scoped_release>(),
+      .def("acquire", [](zos::PinnedUpload& up) { return acquire_released_if_waiting(up); },
            "Wait until the next buffer's previous copy is done; returns its index (0 or 1).")
+      .def("ready", &zos::PinnedUpload::ready,
+           "Whether acquire would return without waiting (the next buffer's copy is done).")
       .def("submit", &zos::PinnedUpload::submit, py::arg("k"), py::arg("nbytes"),
-           py::arg("stream"), py::call_guard<py::gil_scoped_release>(),
+           py::arg("stream"),
            "Enqueue the copy of nbytes of buffer k on stream (a raw CUstream) and fence it.\n\n"
            "Raises ValueError if k is not the acquired buffer or nbytes exceeds capacity.")
       .def("synchronize", &zos::PinnedUpload::synchronize,
@@ -526,8 +548,11 @@ Raises:
     ValueError: num_slots or slot_words < 1.)doc")
       .def(py::init<int64_t, int64_t, int64_t>(), py::arg("num_slots"), py::arg("slot_words"),
            py::arg("device") = -1)
-      .def("acquire", &zos::MappedRing::acquire, py::arg("stream"),
-           py::call_guard<py::gil_scoped_release>(),
+      .def("acquire",
+           [](zos::MappedRing& ring, uint64_t stream) {
+             return acquire_released_if_waiting(ring, stream);
+           },
+           py::arg("stream"),
            R"doc(The next slot, once the build of the record it holds (if any) has finished.
 
 No driver call when the done word shows that build finished. Otherwise (the host
@@ -539,6 +564,9 @@ Raises:
     RuntimeError: the fence completed and the done word never reached the record's SEQ (it
         was staged and never built: rule 2 of docs/ZOS.md, "The runner contract"), or the
         driver reports an error.)doc")
+      .def("ready", &zos::MappedRing::ready,
+           "Whether acquire would return without waiting, read from the done word (no driver "
+           "call).")
       .def("commit", &zos::MappedRing::commit,
            "The acquired slot holds a staged record: the next acquire takes the following slot.")
       .def("fence_repeat", &zos::MappedRing::fence_repeat,

@@ -181,6 +181,11 @@ void PinnedUpload::synchronize() {
   for (auto* f : fence_) check(driver().event_synchronize(f), "cuEventSynchronize");
 }
 
+bool PinnedUpload::ready() const {
+  ContextScope scope(ctx_);
+  return driver().event_query(fence_[turn_]) == 0;
+}
+
 int PinnedUpload::acquire() {
   ContextScope scope(ctx_);
   check(driver().event_synchronize(fence_[turn_]), "cuEventSynchronize");
@@ -292,6 +297,12 @@ void MappedRing::drain(uint64_t stream) {
   check(driver().event_record(fence_, s), "cuEventRecord");
   check(driver().event_synchronize(fence_), "cuEventSynchronize");
   fence_repeat_ = false;
+}
+
+bool MappedRing::ready() const {
+  if (fence_repeat_) return false;
+  if (commits_ < num_slots_) return true;
+  return applied(seq_of(next_), seq_of((next_ + num_slots_ - 1) % num_slots_));
 }
 
 int MappedRing::acquire(uint64_t stream) {

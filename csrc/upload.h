@@ -25,6 +25,9 @@ class PinnedUpload {
 
   // Index (0 or 1) of the buffer to fill next, after its previous copy finished.
   int acquire();
+  // Whether acquire would return without waiting (the next buffer's copy has finished; a
+  // driver error reads as not ready, for acquire to report).
+  bool ready() const;
   // Enqueues the copy of nbytes of buffer k on `stream` (a CUstream / cudaStream_t)
   // and records k's fence after it; the next acquire returns the other buffer.
   void submit(int k, int64_t nbytes, uint64_t stream);
@@ -77,6 +80,9 @@ class MappedRing {
   // wait_applied), counting one wait. `stream` is the stage's stream: on it the wait
   // places its fallback fence.
   int acquire(uint64_t stream);
+  // Whether acquire would return without waiting (no driver call): the done word shows the
+  // build of the next slot's record finished, and no repeated build is to be drained.
+  bool ready() const;
   // The acquired slot holds a staged record now: the next acquire takes the following slot.
   void commit();
   // A build was enqueued that applies the record applied last again (no stage since the

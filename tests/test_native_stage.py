@@ -18,7 +18,8 @@ HERE = Path(__file__).resolve().parent / "fake_cuda"
 SCENARIOS = ["ring_records_and_launches", "unbuilt_slot_resets_the_packer",
              "capturing_stream_is_refused_before_anything",
              "launch_error_resets_the_packer_and_keeps_the_slot", "packer_error_changes_nothing",
-             "upload_records_copies_and_errors", "arguments_are_checked_first"]
+             "upload_records_copies_and_errors", "arguments_are_checked_first",
+             "gil_released_only_around_a_wait"]
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +29,7 @@ def results(tmp_path_factory):
         pytest.skip("no C compiler for the fake driver")
     lib = tmp_path_factory.mktemp("fake_cuda")
     subprocess.run([cc, "-shared", "-fPIC", "-O1", "-o", str(lib / "libcuda.so.1"),
-                    str(HERE / "fake_libcuda.c")], check=True)
+                    str(HERE / "fake_libcuda.c"), "-ldl"], check=True)
     env = dict(os.environ, LD_LIBRARY_PATH=f"{lib}:{os.environ.get('LD_LIBRARY_PATH', '')}")
     run = subprocess.run([sys.executable, str(HERE / "stage_checks.py"), *SCENARIOS], env=env,
                          capture_output=True, text=True, timeout=300)

@@ -169,11 +169,49 @@ def arguments_are_checked_first():
     assert (ring.array() == before).all() and p.prev_num_reqs == 0
 
 
+def gil_released_only_around_a_wait():
+    """A stage (and an acquire) whose slot or pinned buffer is free makes every driver call
+    holding the GIL: a thread that drops it waits for a busy Python thread to let go (up to
+    its switch interval) to take it back. One that must wait for the device drops it around
+    the wait."""
+    def calls(fn, *args):  # (driver calls holding the GIL, without it) made by fn(*args)
+        held, free = count("fake_with_gil"), count("fake_without_gil")
+        fn(*args)
+        return count("fake_with_gil") - held, count("fake_without_gil") - free
+
+    ring, p = MappedRing(2, 256, 0), packer()
+    stage = p.stage_call(ring, 5, 0)
+    assert ring.ready()
+    assert calls(stage, STEPS[0], 1, 70) == (2, 0)  # the capture query and the launch
+    assert calls(stage, STEPS[1], 2, 71) == (2, 0)
+    assert not ring.ready()  # slot 0 holds record 1, which no build has read
+    # the wait records and polls a fence without the GIL (then finds the record never built)
+    held, free = count("fake_with_gil"), count("fake_without_gil")
+    raises(RuntimeError, "was staged but no build read", stage, STEPS[2], 3)
+    assert count("fake_with_gil") == held and count("fake_without_gil") - free >= 2
+    ring.done_array()[0] = 2
+    assert ring.ready() and calls(ring.acquire, 5) == (0, 0)  # the done word, no driver call
+
+    dst, src = np.zeros(256, np.int32), [np.zeros(256, np.int32) for _ in range(2)]
+    up = PinnedUpload(dst.ctypes.data, src[0].ctypes.data, src[1].ctypes.data, 4 * 256, 0)
+    stage = packer().stage_call(up, 5, 0)
+    held, free = calls(stage, STEPS[0], 1, 70)
+    assert held >= 4 and free == 0  # the buffer's query, capture query, copy, fence, launch
+    fault("fake_event_busy", 1)  # the next buffer's copy is still running
+    assert not up.ready() and up.ready()  # (the first query took the fault)
+    fault("fake_event_busy", 1)
+    held, free = calls(stage, STEPS[1], 2, 71)
+    assert held == 1 and free >= 4  # the query; the wait, capture query, copy, fence, launch
+    assert calls(up.acquire)[1] == 0
+    fault("fake_event_busy", 1)
+    assert calls(up.acquire) == (1, 1)  # the query; the wait
+
+
 if __name__ == "__main__":
     assert hasattr(FAKE, "fake_launches"), "libcuda.so.1 is not the fake driver"
     results = {}
     for name in sys.argv[1:]:
-        for f in ("fake_capturing", "fake_launch_error", "fake_copy_error"):
+        for f in ("fake_capturing", "fake_launch_error", "fake_copy_error", "fake_event_busy"):
             fault(f, 0)
         try:
             globals()[name]()

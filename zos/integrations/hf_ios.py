@@ -65,7 +65,8 @@ def _bookkeeping(io, requests, logits_processors, sampled: int) -> None:
     if logits_processors.tensors_required:
         args = io._bulk_input_tensor[io.static_inputs:]
         logits_processors.prepare_tensor_args(requests_in_batch=requests, arg_storage=args)
-        args[:, len(requests):sampled] = io.logits_processors_defaults
+        if sampled > len(requests):
+            args[:, len(requests):sampled] = io.logits_processors_defaults
 
 
 def _build_step(zos, requests, prev_positions):
@@ -149,6 +150,7 @@ def _build():
                                  self.compute_stream, async_carry=False)
             self.zos_md = None
             self.zos_sampled = 0  # rows transformers would sample for this step
+            self._zos_args = (None, None)  # (transformers' bulk input tensor, its args view)
 
         def reset(self) -> None:
             super().reset()
@@ -186,8 +188,10 @@ def _build():
             if md is None:
                 return _transformers_step(self.zos, self,
                                           super().get_model_kwargs(use_padding=use_padding))
-            args = self._bulk_input_tensor[self.static_inputs:]
-            return self.zos.model_kwargs(md, self.cache, args, self.zos_sampled)
+            bulk = self._bulk_input_tensor
+            if self._zos_args[0] is not bulk:  # the processors' columns, one view per tensor
+                self._zos_args = (bulk, bulk[self.static_inputs:])
+            return self.zos.model_kwargs(md, self.cache, self._zos_args[1], self.zos_sampled)
 
         def _get_graph_key(self):
             if self.zos_md is not None:

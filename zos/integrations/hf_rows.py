@@ -119,11 +119,13 @@ class ZosDecodeRows:
                 stream=stream, **kw)
         self._row_ids = torch.arange(max_requests, dtype=torch.int32, device=device)
         self.logits_rows = torch.zeros(max_requests, dtype=torch.int32, device=device)
+        self._kwargs: dict = {}  # (id(md), num_sampled) -> (md, args, cache, model kwargs)
         self.carry = None
         if async_carry:  # -1: the row's token came with the record
             self.carry = torch.full((max_requests,), -1, dtype=torch.int32, device=device)
             self._carry_host = [torch.full((max_requests,), -1, dtype=torch.int32,
                                            pin_memory=cuda) for _ in range(2)]
+            self._carry_np = [h.numpy() for h in self._carry_host]  # filled by numpy: no GIL drop
             self._carry_turn = 0
         self.forget()
 
@@ -255,13 +257,17 @@ class ZosDecodeRows:
         else:
             plan = self.backend.stage(built.step)
         if built.carry is not None:
-            host = self._carry_host[self._carry_turn]
+            # The map is written with numpy, and uploaded in one copy: each torch op drops the
+            # GIL, which a busy Python thread (the server's output thread) may then keep for up
+            # to its switch interval.
+            turn = self._carry_turn
             self._carry_turn ^= 1
-            host.fill_(-1)
+            host = self._carry_np[turn]
+            host.fill(-1)
             rows, srcs = zip(*built.carry)
-            host[list(rows)] = torch.tensor(srcs, dtype=torch.int32)
+            host[list(rows)] = srcs
             with self._on_stream():
-                self.carry.copy_(host, non_blocking=True)
+                self.carry.copy_(self._carry_host[turn], non_blocking=True)
         self.prev = built.rows
         return self.backend.metadata(plan)
 
@@ -304,8 +310,14 @@ class ZosDecodeRows:
         so with the same rows and inputs a seeded run samples the same tokens as transformers'
         (zos's buckets differ from transformers' padded sizes). ``logits_processor_args``:
         transformers' per-request processor arguments, at least ``num_sampled`` columns."""
-        return self.tfi.decode_kwargs(md, self.logits_rows[:num_sampled],
-                                      logits_processor_args[:, :num_sampled], cache)
+        hit = self._kwargs.get((id(md), num_sampled))
+        if hit is None or hit[0] is not md or hit[1] is not logits_processor_args or \
+                hit[2] is not cache:  # views made once: each torch call may drop the GIL
+            kwargs = self.tfi.decode_kwargs(md, self.logits_rows[:num_sampled],
+                                            logits_processor_args[:, :num_sampled], cache)
+            hit = self._kwargs[(id(md), num_sampled)] = (md, logits_processor_args, cache,
+                                                         kwargs)
+        return dict(hit[3])  # transformers adds keys to it
 
 
 def num_sampled(requests, num_q_tokens: int, max_requests: int, use_padding: bool) -> int:
