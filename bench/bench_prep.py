@@ -26,6 +26,12 @@ synchronize (a model-step stand-in): ``gpu_busy`` launches a one-program Triton 
 spins on the GPU's ``%globaltimer`` (nanoseconds, independent of the SM clock) until G us
 have passed. CUDA only.
 
+With ``--busy-thread`` a Python thread spins beside the run (pure Python, never blocking), as
+a serving process's other threads (transformers' server sends each step's outputs from one) keep
+the GIL busy: a host call that drops the GIL (a torch op, a native call released) then waits
+to take it back until that thread lets go, up to the interpreter's switch interval (5 ms by
+default), so host times count the GIL hand-backs of each variant's step.
+
 The JSON's meta records ``python_loop_ms`` (:func:`python_loop_ms`, before and after the run): the
 host's speed, which on a shared machine moves between runs and with it every host figure.
 
@@ -40,6 +46,7 @@ import datetime as dt
 import json
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -183,6 +190,9 @@ def main(argv=None):
                     help="on a mismatch, rerun that backend in lockstep with a host backend "
                          "(synchronize and compare after every step) and name the first "
                          "step and field that differ")
+    ap.add_argument("--busy-thread", action="store_true",
+                    help="a Python thread spinning beside the run (a serving process's output "
+                         "thread): host times then include waits to take the GIL back")
     ap.add_argument("--out", default=None, help="folder for the JSON (default: print only)")
     ap.add_argument("--variants", default=",".join(VARIANTS),
                     help=f"backends to run, comma-separated, host first (of {VARIANTS})")
@@ -195,6 +205,10 @@ def main(argv=None):
         ap.error("--gap-us needs a GPU (the busy kernel reads the GPU's %globaltimer)")
     buckets = vllm_policy(1024)
     rows, failures = [], []
+    spinning = threading.Event()
+    if args.busy_thread:
+        spinning.set()
+        threading.Thread(target=spin, args=(spinning,), daemon=True).start()
     probe_start = python_loop_ms()
     for ctx in [int(c) for c in args.contexts.split(",")]:
         for n in [int(x) for x in args.sizes.split(",")]:
@@ -217,6 +231,7 @@ def main(argv=None):
                         first = lockstep(v, workload_steps(n, ctx, count), wl, device, buckets)
                         failures.append(f"  lockstep: {first}")
             del backends
+    spinning.clear()
     probe_end = python_loop_ms()
     print_table(rows)
     print(f"host speed probe (a 1M-iteration Python loop): {probe_start:.0f} ms before the run, "
@@ -228,15 +243,24 @@ def main(argv=None):
                     python_loop_ms=dict(start=probe_start, end=probe_end),
                     triton=__import__("triton").__version__, replace_fraction=0.05,
                     buckets="vllm_policy(1024)", steps=args.steps, warmup=args.warmup,
-                    gap_us=args.gap_us, gap_kernel="gpu_busy: Triton %globaltimer spin",
+                    gap_us=args.gap_us, busy_thread=args.busy_thread,
+                    gap_kernel="gpu_busy: Triton %globaltimer spin",
                     profiled=args.profiled, record="sparse (rows that change)",
                     ring_slots=4)
         gap = f"_gap{args.gap_us}us" if args.gap_us else ""
+        gap += "_busy" if args.busy_thread else ""
         out = Path(args.out) / f"prep_{name.replace(' ', '_')}_{today}{gap}.json"
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
         print(f"wrote {out}")
     assert not failures, "\n".join(failures)  # after the table: the timings stay readable
+
+
+def spin(running: threading.Event) -> None:
+    """Pure Python work until ``running`` is cleared: holds the GIL but for the switch interval."""
+    n = 0
+    while running.is_set():
+        n += 1
 
 
 def print_table(rows):
