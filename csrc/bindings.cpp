@@ -193,7 +193,12 @@ int acquire_released_if_waiting(Sink& sink, Args... args) {
 }
 
 // Whether the stage's sink would wait for the device (its next slot or buffer still in use).
+// After the capture check: the upload's event query would invalidate a capture.
 bool sink_ready(const StageCall& s) {
+  if (zos::stream_capturing(s.stream, s.device))
+    throw std::runtime_error(
+        "stage: the backend's stream is capturing a CUDA graph; a stage is host work outside "
+        "any graph (capture build, and stage before each replay)");
   return s.ring != nullptr ? s.ring->ready() : s.upload->ready();
 }
 
@@ -208,10 +213,6 @@ bool sink_ready(const StageCall& s) {
 // step's rows must all be new.
 int64_t stage_step(const StageCall& s, const zos::StepInput& in, int32_t seq,
                    uint64_t graph_exec) {
-  if (zos::stream_capturing(s.stream, s.device))
-    throw std::runtime_error(
-        "stage: the backend's stream is capturing a CUDA graph; a stage is host work outside "
-        "any graph (capture build, and stage before each replay)");
   try {  // the packer throws std::invalid_argument, the driver and the ring std::runtime_error
     if (s.ring != nullptr) {
       zos::MappedRing& ring = *s.ring;

@@ -20,6 +20,8 @@ long fake_capture_queries = 0, fake_launches = 0, fake_copies = 0;
 uint64_t fake_last_graph = 0, fake_last_stream = 0;
 int fake_event_busy = 0;     /* cuEventQuery reports CUDA_ERROR_NOT_READY this many more times */
 long fake_with_gil = 0, fake_without_gil = 0;  /* stream and event calls, by the caller's GIL */
+long fake_unsafe_in_capture = 0;  /* event queries and waits while fake_capturing: on CUDA they
+                                     invalidate a capture in the global mode (torch's default) */
 
 /* Counts a call by whether its thread holds the GIL (PyGILState_Check of the process's
  * Python, which exports its C API to extension modules). */
@@ -40,10 +42,15 @@ CUresult cuEventDestroy_v2(void* ev) { free(ev); return 0; }
 CUresult cuEventRecord(void* ev, void* stream) { note_gil(); return 0; }
 CUresult cuEventQuery(void* ev) {
   note_gil();
+  if (fake_capturing) ++fake_unsafe_in_capture;
   if (fake_event_busy > 0) { --fake_event_busy; return 600; /* CUDA_ERROR_NOT_READY */ }
   return 0;
 }
-CUresult cuEventSynchronize(void* ev) { note_gil(); return 0; }
+CUresult cuEventSynchronize(void* ev) {
+  note_gil();
+  if (fake_capturing) ++fake_unsafe_in_capture;
+  return 0;
+}
 CUresult cuStreamWaitEvent(void* stream, void* ev, unsigned flags) { note_gil(); return 0; }
 CUresult cuMemHostAlloc(void** p, size_t bytes, unsigned flags) { *p = calloc(1, bytes); return 0; }
 CUresult cuMemFreeHost(void* p) { free(p); return 0; }

@@ -79,15 +79,23 @@ def unbuilt_slot_resets_the_packer():
 
 
 def capturing_stream_is_refused_before_anything():
-    """On a capturing stream nothing is written, committed, launched or forgotten; a call bound
-    to the legacy default stream (0) never asks."""
+    """On a capturing stream nothing is written, committed, launched or forgotten, and no event
+    is queried or waited for (that would invalidate the capture); a call bound to the legacy
+    default stream (0) never asks."""
     ring, p = MappedRing(2, 256, 0), packer()
     stage = p.stage_call(ring, 5, 0)
     stage(STEPS[0], 1)
+    dst, src = np.zeros(256, np.int32), [np.zeros(256, np.int32) for _ in range(2)]
+    up = PinnedUpload(dst.ctypes.data, src[0].ctypes.data, src[1].ctypes.data, 4 * 256, 0)
+    up_stage, copies = packer().stage_call(up, 5, 0), count("fake_copies")
     before, launches = ring.array().copy(), count("fake_launches")
+    unsafe = count("fake_unsafe_in_capture")
     fault("fake_capturing", 1)
     for graph in (0, 70):
         raises(RuntimeError, "stage: the backend's stream is capturing", stage, STEPS[1], 2, graph)
+        raises(RuntimeError, "stage: the backend's stream is capturing", up_stage, STEPS[0], 1,
+               graph)
+    assert count("fake_unsafe_in_capture") == unsafe and count("fake_copies") == copies
     queries = count("fake_capture_queries")
     ring0, p0 = MappedRing(2, 256, 0), packer()
     assert p0.stage_call(ring0, 0, 0)(STEPS[0], 1, 70) > 0
@@ -185,10 +193,11 @@ def gil_released_only_around_a_wait():
     assert calls(stage, STEPS[0], 1, 70) == (2, 0)  # the capture query and the launch
     assert calls(stage, STEPS[1], 2, 71) == (2, 0)
     assert not ring.ready()  # slot 0 holds record 1, which no build has read
-    # the wait records and polls a fence without the GIL (then finds the record never built)
+    # the capture query holds it; the wait records and polls a fence without it (then finds
+    # the record never built)
     held, free = count("fake_with_gil"), count("fake_without_gil")
     raises(RuntimeError, "was staged but no build read", stage, STEPS[2], 3)
-    assert count("fake_with_gil") == held and count("fake_without_gil") - free >= 2
+    assert count("fake_with_gil") - held == 1 and count("fake_without_gil") - free >= 2
     ring.done_array()[0] = 2
     assert ring.ready() and calls(ring.acquire, 5) == (0, 0)  # the done word, no driver call
 
@@ -201,7 +210,7 @@ def gil_released_only_around_a_wait():
     assert not up.ready() and up.ready()  # (the first query took the fault)
     fault("fake_event_busy", 1)
     held, free = calls(stage, STEPS[1], 2, 71)
-    assert held == 1 and free >= 4  # the query; the wait, capture query, copy, fence, launch
+    assert held == 2 and free >= 4  # capture query, event query; the wait, copy, fence, launch
     assert calls(up.acquire)[1] == 0
     fault("fake_event_busy", 1)
     assert calls(up.acquire) == (1, 1)  # the query; the wait
