@@ -205,11 +205,12 @@ def main(argv=None):
         ap.error("--gap-us needs a GPU (the busy kernel reads the GPU's %globaltimer)")
     buckets = vllm_policy(1024)
     rows, failures = [], []
+    probe_start = python_loop_ms()  # the host's speed, without the spinning thread
     spinning = threading.Event()
+    spinner = threading.Thread(target=spin, args=(spinning,), daemon=True)
     if args.busy_thread:
         spinning.set()
-        threading.Thread(target=spin, args=(spinning,), daemon=True).start()
-    probe_start = python_loop_ms()
+        spinner.start()
     for ctx in [int(c) for c in args.contexts.split(",")]:
         for n in [int(x) for x in args.sizes.split(",")]:
             wl = SteadyWorkload(n, max_context=ctx, seed=n)
@@ -232,6 +233,8 @@ def main(argv=None):
                         failures.append(f"  lockstep: {first}")
             del backends
     spinning.clear()
+    if args.busy_thread:
+        spinner.join()
     probe_end = python_loop_ms()
     print_table(rows)
     print(f"host speed probe (a 1M-iteration Python loop): {probe_start:.0f} ms before the run, "

@@ -192,8 +192,11 @@ int acquire_released_if_waiting(Sink& sink, Args... args) {
   return sink.acquire(args...);
 }
 
-// Whether the stage's sink would wait for the device (its next slot or buffer still in use).
-// After the capture check: the upload's event query would invalidate a capture.
+// Whether the stage's sink would wait for the device (its next slot or buffer still in use),
+// after refusing (RuntimeError, nothing done) a stream that is capturing a CUDA graph: a stage
+// is host work outside any graph (docs/ZOS.md, "The runner contract"), its fences, copy or
+// launch would be captured instead of done, and the upload's event query would invalidate
+// the capture.
 bool sink_ready(const StageCall& s) {
   if (zos::stream_capturing(s.stream, s.device))
     throw std::runtime_error(
@@ -202,12 +205,9 @@ bool sink_ready(const StageCall& s) {
   return s.ring != nullptr ? s.ring->ready() : s.upload->ready();
 }
 
-// One stage (the GIL released only when the sink must wait): refused (RuntimeError, nothing done) while the stream is
-// capturing a CUDA graph: a stage is host work outside any graph (docs/ZOS.md, "The runner
-// contract"), and its fences, copy or launch would be captured instead of done. Else the next
-// slot (after the build of the record it holds has finished) or pinned buffer (after its
-// copy), the pack, on the copy path the copy, with a graph_exec the prep graph's launch, on the
-// ring the slot's commit. On a throw from the packer nothing was written where the device
+// One stage, after sink_ready: the next slot (after the build of the record it holds has
+// finished) or pinned buffer (after its copy), the pack, on the copy path the copy, with a
+// graph_exec the prep graph's launch, on the ring the slot's commit. On a throw from the packer nothing was written where the device
 // reads and no slot committed; on a device error (a slot whose record no build read, a failed
 // copy or launch) the packer is reset, since the device may not get this step: the next
 // step's rows must all be new.
@@ -369,8 +369,8 @@ Raises:
 
 Writes ``out[i] = j`` where ``curr_req_ids[i] == prev_req_ids[j]``, else -1, for
 i in [0, N), and returns the number of -1 rows. O(N + P) through a hash table
-kept per thread across calls (no allocation once it is large enough); runs
-without the GIL. Rule from docs/ZOS.md ("One decode step, as data").
+kept per thread across calls (no allocation once it is large enough); holds
+the GIL (microseconds of work). Rule from docs/ZOS.md ("One decode step, as data").
 
 Args:
     prev_req_ids: numpy int64 [P], request ids of the previous step's rows.
@@ -449,7 +449,8 @@ which the copy, the fences and the launch are enqueued) and ``device`` (the CUDA
 >= 0: ValueError otherwise; TypeError for another ``sink``). Returns a function
 ``stage(step, seq, graph_exec=0, /) -> int`` (positional arguments only), called without
 pybind11's dispatch, which does in
-one call without the GIL (``graph_exec``: a ``cudaGraphExec_t`` of the prep graph, or 0):
+one call, holding the GIL unless the slot or buffer is still in use, when it drops it for
+the wait (``graph_exec``: a ``cudaGraphExec_t`` of the prep graph, or 0):
 
 - on a ring: ``acquire(stream)`` (wait until the build of the record in the next slot has
   finished), ``pack_step`` into that slot with SEQ ``seq``, with ``graph_exec``

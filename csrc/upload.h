@@ -26,7 +26,7 @@ class PinnedUpload {
   // Index (0 or 1) of the buffer to fill next, after its previous copy finished.
   int acquire();
   // Whether acquire would return without waiting (the next buffer's copy has finished; a
-  // driver error reads as not ready, for acquire to report).
+  // failed query reads as not ready, for acquire to report).
   bool ready() const;
   // Enqueues the copy of nbytes of buffer k on `stream` (a CUstream / cudaStream_t)
   // and records k's fence after it; the next acquire returns the other buffer.

@@ -104,3 +104,41 @@ def test_in_graph_takes_tokens_in_flight_from_the_previous_output():
     assert md.positions[:3].tolist() == [2, 1, 6]
     assert rows.buffers.sampled.tolist() == list(range(100, 108))
     assert rows.carry.tolist() == [-1] * 8
+
+
+@pytest.mark.parametrize("release", ["5.17", "5.25"])
+def test_model_kwargs_are_fresh_each_step_over_views_made_once(release):
+    """A zos step's model kwargs: a new dict each call, nested lists and dicts included
+    (transformers writes into them, e.g. its warm-up's ``max_length_k``), over views of zos's
+    buffers made once per (metadata, sampled rows); a new processor-argument tensor or cache
+    is taken as given."""
+    from zos.integrations.hf_internals import TF525
+
+    rows = rows_for({"a": [3, 5], "b": [9]})
+    md = rows.stage(rows.build_step([request("a", 6, 7), request("b", 1, 8)], None))
+    rows.tfi = TF517() if release == "5.17" else TF525()  # the step's kwargs in its names
+    args = torch.arange(24, dtype=torch.float32).reshape(3, 8)
+    first = rows.model_kwargs(md, "cache", args, 2)
+    for value in first.values():  # what transformers could write into
+        if isinstance(value, dict):
+            value["full_attention"] = 4096
+        elif isinstance(value, list):
+            value.append(0)
+    first["logits_to_keep"] = 1
+    again = rows.model_kwargs(md, "cache", args, 2)
+    assert "logits_to_keep" not in again
+    assert again["read_index"] == [] and again["write_index"] == []
+    if release == "5.25":
+        assert again["max_length_k"] == {"full_attention": 1}
+        assert again["cu_seq_lens_k"]["full_attention"] is md.query_start_loc
+    assert again["input_ids"] is first["input_ids"]  # the views are made once
+    assert again["input_ids"].shape == again["position_ids"].shape == (1, md.padded_size)
+    assert again["input_ids"].data_ptr() == md.input_ids.data_ptr()
+    assert again["position_ids"].data_ptr() == md.positions.data_ptr()
+    assert again["logits_indices"].tolist() == rows.logits_rows[:2].tolist()
+    assert again["logits_processor_args"].tolist() == args[:, :2].tolist()
+    new_args = args + 100
+    other = rows.model_kwargs(md, "other cache", new_args, 1)
+    assert other["logits_processor_args"].tolist() == new_args[:, :1].tolist()
+    assert other[rows.tfi.cache_kwarg] == "other cache"
+    assert len(other["logits_indices"]) == 1

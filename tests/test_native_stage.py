@@ -30,7 +30,10 @@ def results(tmp_path_factory):
     lib = tmp_path_factory.mktemp("fake_cuda")
     subprocess.run([cc, "-shared", "-fPIC", "-O1", "-o", str(lib / "libcuda.so.1"),
                     str(HERE / "fake_libcuda.c"), "-ldl"], check=True)
-    env = dict(os.environ, LD_LIBRARY_PATH=f"{lib}:{os.environ.get('LD_LIBRARY_PATH', '')}")
+    # the checkout's zos first (an editable install elsewhere would be found otherwise)
+    env = dict(os.environ, LD_LIBRARY_PATH=f"{lib}:{os.environ.get('LD_LIBRARY_PATH', '')}",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(HERE.parents[1]),
+                                                        os.environ.get("PYTHONPATH")])))
     run = subprocess.run([sys.executable, str(HERE / "stage_checks.py"), *SCENARIOS], env=env,
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-4000:]

@@ -209,11 +209,12 @@ class TF517:
         layer's group (index tensors into its token view)."""
         return kwargs["write_index"][group], kwargs["read_index"][group], kwargs["cu_seq_lens_k"]
 
-    def decode_kwargs(self, md, logits_indices, processor_args, cache) -> dict:
+    def decode_kwargs(self, md, ids_2d, logits_indices, processor_args, cache) -> dict:
         """The model kwargs of a zos decode step (transformers' ``PagedAttentionArgs`` names):
-        the model runs ``md.padded_size`` rows, the processors and sampler
+        the model runs ``md.padded_size`` rows (``ids_2d``: ``md.input_ids`` and
+        ``md.positions`` as ``[1, padded_size]`` views), the processors and sampler
         ``len(logits_indices)``."""
-        return dict(input_ids=md.input_ids.unsqueeze(0), position_ids=md.positions.unsqueeze(0),
+        return dict(input_ids=ids_2d[0], position_ids=ids_2d[1],
                     cu_seq_lens_q=md.query_start_loc, cu_seq_lens_k=md.query_start_loc,
                     max_seqlen_q=1, max_seqlen_k=1, logits_indices=logits_indices,
                     logits_processor_args=processor_args, attention_mask=None, read_index=[],
@@ -355,8 +356,8 @@ class TF525(TF517):
         return (kwargs["write_index"][group], kwargs["read_index"][group],
                 cu_k[layer_type] if isinstance(cu_k, dict) else cu_k)
 
-    def decode_kwargs(self, md, logits_indices, processor_args, cache) -> dict:
-        return dict(input_ids=md.input_ids.unsqueeze(0), position_ids=md.positions.unsqueeze(0),
+    def decode_kwargs(self, md, ids_2d, logits_indices, processor_args, cache) -> dict:
+        return dict(input_ids=ids_2d[0], position_ids=ids_2d[1],
                     cu_seq_lens_q=md.query_start_loc,
                     cu_seq_lens_k={"full_attention": md.query_start_loc},
                     max_length_q=1, max_length_k={"full_attention": 1},

@@ -119,7 +119,8 @@ class ZosDecodeRows:
                 stream=stream, **kw)
         self._row_ids = torch.arange(max_requests, dtype=torch.int32, device=device)
         self.logits_rows = torch.zeros(max_requests, dtype=torch.int32, device=device)
-        self._kwargs: dict = {}  # (id(md), num_sampled) -> (md, args, cache, model kwargs)
+        # (id(md), num_sampled) -> (md, args, (input ids, positions) [1, P], logits rows, args)
+        self._views: dict = {}
         self.carry = None
         if async_carry:  # -1: the row's token came with the record
             self.carry = torch.full((max_requests,), -1, dtype=torch.int32, device=device)
@@ -310,14 +311,14 @@ class ZosDecodeRows:
         so with the same rows and inputs a seeded run samples the same tokens as transformers'
         (zos's buckets differ from transformers' padded sizes). ``logits_processor_args``:
         transformers' per-request processor arguments, at least ``num_sampled`` columns."""
-        hit = self._kwargs.get((id(md), num_sampled))
-        if hit is None or hit[0] is not md or hit[1] is not logits_processor_args or \
-                hit[2] is not cache:  # views made once: each torch call may drop the GIL
-            kwargs = self.tfi.decode_kwargs(md, self.logits_rows[:num_sampled],
-                                            logits_processor_args[:, :num_sampled], cache)
-            hit = self._kwargs[(id(md), num_sampled)] = (md, logits_processor_args, cache,
-                                                         kwargs)
-        return dict(hit[3])  # transformers adds keys to it
+        hit = self._views.get((id(md), num_sampled))
+        if hit is None or hit[0] is not md or hit[1] is not logits_processor_args:
+            # views made once (each torch call may drop the GIL); the dict is built fresh
+            # each step, as transformers writes into it and into what it holds
+            hit = self._views[(id(md), num_sampled)] = (
+                md, logits_processor_args, (md.input_ids.unsqueeze(0), md.positions.unsqueeze(0)),
+                self.logits_rows[:num_sampled], logits_processor_args[:, :num_sampled])
+        return self.tfi.decode_kwargs(md, *hit[2:], cache)
 
 
 def num_sampled(requests, num_q_tokens: int, max_requests: int, use_padding: bool) -> int:
