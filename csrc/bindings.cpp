@@ -207,10 +207,10 @@ bool sink_ready(const StageCall& s) {
 
 // One stage, after sink_ready: the next slot (after the build of the record it holds has
 // finished) or pinned buffer (after its copy), the pack, on the copy path the copy, with a
-// graph_exec the prep graph's launch, on the ring the slot's commit. On a throw from the packer nothing was written where the device
-// reads and no slot committed; on a device error (a slot whose record no build read, a failed
-// copy or launch) the packer is reset, since the device may not get this step: the next
-// step's rows must all be new.
+// graph_exec the prep graph's launch, on the ring the slot's commit. On a throw from the
+// packer nothing was written where the device reads and no slot committed; on a device error
+// (a slot whose record no build read, a failed copy or launch) the packer is reset, since the
+// device may not get this step: the next step's rows must all be new.
 int64_t stage_step(const StageCall& s, const zos::StepInput& in, int32_t seq,
                    uint64_t graph_exec) {
   try {  // the packer throws std::invalid_argument, the driver and the ring std::runtime_error
