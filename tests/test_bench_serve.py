@@ -189,3 +189,31 @@ def test_server_spec_names_its_release_and_refuses_a_bad_one(tmp_path):
 def test_two_servers_of_one_kind_and_release_are_refused(capsys):
     assert bench_serve.main(["--servers", "zos,zos", "--smoke"]) == 2
     assert "same kind and release" in capsys.readouterr().err
+
+
+def test_gpu_util_windows_the_samples_nvidia_smi_stamped(tmp_path):
+    """bench/gpu_util.py against a stand-in nvidia-smi that prints five stamped samples and a
+    line that is not one: each window holds the samples stamped inside it; without the
+    executable nothing is sampled."""
+    import datetime as dt
+
+    gpu_util = importlib.import_module("gpu_util")  # bench/, on the path since bench_serve
+    base = dt.datetime(2026, 12, 7, 5, 0, 0)
+    stamps = [base + dt.timedelta(seconds=k) for k in range(5)]
+    lines = [f"{t:%Y/%m/%d %H:%M:%S}.{k * 7:03d}, {pct}" for k, (t, pct)
+             in enumerate(zip(stamps, (10, 90, 100, 40, 0)))]
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text("#!/bin/sh\necho '[N/A], [N/A]'\n" + "".join(f"echo '{x}'\n" for x in lines))
+    fake.chmod(0o755)
+    util = gpu_util.GpuUtil(exe=str(fake)).start()
+    util._proc.wait(timeout=30)  # the stand-in prints and exits: stop() must not cut it short
+    util.stop()
+    at = [t.timestamp() + k * 0.007 for k, t in enumerate(stamps)]
+    assert [round(t, 3) for t, _ in util.samples] == [round(t, 3) for t in at]
+    assert util.window(at[1], at[3]) == dict(mean=pytest.approx(230 / 3, abs=0.05), p50=90.0,
+                                             samples=3)
+    assert util.window(at[4] + 0.5, at[4] + 9) is None
+    assert gpu_util.parse_line("2026/12/07 05:00:01.500, [N/A]") is None
+    off = gpu_util.GpuUtil(exe=None).start()
+    off.stop()
+    assert off.samples == [] and off.window(0, 1e12) is None
