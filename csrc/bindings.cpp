@@ -2,8 +2,9 @@
 // (a pinned torch tensor passes as tensor.numpy(), sharing its memory); every
 // check runs before anything is written.
 //
-// The GIL is released only around a wait on the device (a ring slot or pinned buffer still
-// in use, a synchronize), never around work of microseconds: a thread that drops the GIL
+// The GIL is released only by a call that waits on the device (a ring slot or pinned buffer
+// still in use, a synchronize; a stage that must wait runs all its work in that one release),
+// never by one that does microseconds of work alone: a thread that drops the GIL
 // takes it back only when the thread holding it lets go, which a busy Python thread does
 // every switch interval (5 ms by default). In a serving process (transformers' server: the
 // generation loop beside the thread that sends outputs) each release on the step's path
@@ -449,8 +450,9 @@ which the copy, the fences and the launch are enqueued) and ``device`` (the CUDA
 >= 0: ValueError otherwise; TypeError for another ``sink``). Returns a function
 ``stage(step, seq, graph_exec=0, /) -> int`` (positional arguments only), called without
 pybind11's dispatch, which does in
-one call, holding the GIL unless the slot or buffer is still in use, when it drops it for
-the wait (``graph_exec``: a ``cudaGraphExec_t`` of the prep graph, or 0):
+one call, holding the GIL unless the slot or buffer is still in use, when the whole call
+(the wait, then the rest) runs with the GIL released (``graph_exec``: a ``cudaGraphExec_t``
+of the prep graph, or 0):
 
 - on a ring: ``acquire(stream)`` (wait until the build of the record in the next slot has
   finished), ``pack_step`` into that slot with SEQ ``seq``, with ``graph_exec``

@@ -3,8 +3,10 @@ streams are active, against a count of each token's arrival time (tokens spread 
 a request's first and last content chunk, as the benchmark assumes); the open-loop workload; the
 merge of runs on two transformers release lines."""
 import importlib.util
+import itertools
 import json
 import random
+import threading
 import types
 from pathlib import Path
 
@@ -191,29 +193,27 @@ def test_two_servers_of_one_kind_and_release_are_refused(capsys):
     assert "same kind and release" in capsys.readouterr().err
 
 
-def test_gpu_util_windows_the_samples_nvidia_smi_stamped(tmp_path):
-    """bench/gpu_util.py against a stand-in nvidia-smi that prints five stamped samples and a
-    line that is not one: each window holds the samples stamped inside it; without the
-    executable nothing is sampled."""
-    import datetime as dt
-
+def test_gpu_util_samples_on_a_thread_and_windows_by_time():
+    """bench/gpu_util.py with a stand-in reader and clock: samples are taken on its thread
+    until stop, each stamped when read; a window holds those stamped inside it; without a
+    reader nothing is sampled."""
     gpu_util = importlib.import_module("gpu_util")  # bench/, on the path since bench_serve
-    base = dt.datetime(2026, 12, 7, 5, 0, 0)
-    stamps = [base + dt.timedelta(seconds=k) for k in range(5)]
-    lines = [f"{t:%Y/%m/%d %H:%M:%S}.{k * 7:03d}, {pct}" for k, (t, pct)
-             in enumerate(zip(stamps, (10, 90, 100, 40, 0)))]
-    fake = tmp_path / "nvidia-smi"
-    fake.write_text("#!/bin/sh\necho '[N/A], [N/A]'\n" + "".join(f"echo '{x}'\n" for x in lines))
-    fake.chmod(0o755)
-    util = gpu_util.GpuUtil(exe=str(fake)).start()
-    util._proc.wait(timeout=30)  # the stand-in prints and exits: stop() must not cut it short
+    values = itertools.chain([10.0, 90.0, 100.0, 40.0, 0.0], itertools.repeat(50.0))
+    clock = itertools.count(100.0)
+    five = threading.Semaphore(0)
+
+    def read():
+        five.release()
+        return next(values)
+    util = gpu_util.GpuUtil(read, interval_s=0.001, clock=lambda: next(clock)).start()
+    for _ in range(5):
+        assert five.acquire(timeout=30)
     util.stop()
-    at = [t.timestamp() + k * 0.007 for k, t in enumerate(stamps)]
-    assert [round(t, 3) for t, _ in util.samples] == [round(t, 3) for t in at]
-    assert util.window(at[1], at[3]) == dict(mean=pytest.approx(230 / 3, abs=0.05), p50=90.0,
+    assert util.samples[:5] == [(100.0, 10.0), (101.0, 90.0), (102.0, 100.0), (103.0, 40.0),
+                                (104.0, 0.0)]
+    assert util.window(101.0, 103.0) == dict(mean=pytest.approx(230 / 3, abs=0.05), p50=90.0,
                                              samples=3)
-    assert util.window(at[4] + 0.5, at[4] + 9) is None
-    assert gpu_util.parse_line("2026/12/07 05:00:01.500, [N/A]") is None
-    off = gpu_util.GpuUtil(exe=None).start()
+    assert util.window(98.0, 99.5) is None
+    off = gpu_util.GpuUtil(None).start()
     off.stop()
     assert off.samples == [] and off.window(0, 1e12) is None

@@ -27,9 +27,9 @@ class DeviceMetadataBackend(MetadataBackend):
     """Builds each step's metadata with the prep kernels, from device state.
 
     Per step, on the host: one native call (``StepPacker.stage_call``'s function: C++, no
-    pybind11 dispatch, the DecodeStep's arrays read by name, the GIL released only while it
-    waits for its slot: a release costs a wait for every busy Python thread beside it to let
-    go, up to the switch interval, 5 ms) validates the step
+    pybind11 dispatch, the DecodeStep's arrays read by name, the GIL released only by a stage
+    whose slot is still in use, for the whole call: a release costs a wait for every busy
+    Python thread beside it to let go, up to the switch interval, 5 ms) validates the step
     and writes the staging record, 8 + 3C + 5M + L int32 words (C listed rows: those whose
     request is new or moved, or that get blocks or a rewritten block list; M records: new
     rows, rows with appended blocks and rewritten rows; L block ids: new and rewritten rows'

@@ -260,7 +260,9 @@ class ZosDecodeRows:
         if built.carry is not None:
             # The map is written with numpy, and uploaded in one copy: each torch op drops the
             # GIL, which a busy Python thread (the server's output thread) may then keep for up
-            # to its switch interval.
+            # to its switch interval. Two host buffers in turn: the copy that read this one, two
+            # steps ago, is done, since transformers waited for that step's outputs (which the
+            # compute stream produced after the copy) before preparing this step.
             turn = self._carry_turn
             self._carry_turn ^= 1
             host = self._carry_np[turn]
