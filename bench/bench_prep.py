@@ -207,8 +207,9 @@ def main(argv=None):
     rows, failures = [], []
     probe_start = python_loop_ms()  # the host's speed, without the spinning thread
     spinning = threading.Event()
-    spinner = threading.Thread(target=spin, args=(spinning,), daemon=True)
-    if args.busy_thread:
+    spinner = (threading.Thread(target=spin, args=(spinning,), daemon=True)
+               if args.busy_thread else None)
+    if spinner is not None:
         spinning.set()
         spinner.start()
     for ctx in [int(c) for c in args.contexts.split(",")]:
@@ -233,7 +234,7 @@ def main(argv=None):
                         failures.append(f"  lockstep: {first}")
             del backends
     spinning.clear()
-    if args.busy_thread:
+    if spinner is not None:
         spinner.join()
     probe_end = python_loop_ms()
     print_table(rows)

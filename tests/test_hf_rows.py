@@ -135,7 +135,9 @@ def test_model_kwargs_are_fresh_each_step_over_views_made_once(release):
     assert again["input_ids"].shape == again["position_ids"].shape == (1, md.padded_size)
     assert again["input_ids"].data_ptr() == md.input_ids.data_ptr()
     assert again["position_ids"].data_ptr() == md.positions.data_ptr()
-    assert again["logits_indices"].tolist() == rows.logits_rows[:2].tolist()
+    # the logits rows in_graph writes (zeros before it runs: compared as a view, not values)
+    assert again["logits_indices"].data_ptr() == rows.logits_rows.data_ptr()
+    assert again["logits_indices"].shape == (2,)
     assert again["logits_processor_args"].tolist() == args[:, :2].tolist()
     new_args = args + 100
     other = rows.model_kwargs(md, "other cache", new_args, 1)
