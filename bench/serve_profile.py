@@ -17,8 +17,9 @@ Usage: python bench/serve_profile.py OUT.json zos|tf|tf_async SERVER ARGS...
   (perf_counter s), seconds, requests in the batch and query tokens (from the scheduler's
   ``schedule_batch``);
 * zos's stages (``zos``): each ``ZosDecodeRows.stage`` timed, and the backend's stage inside
-  it (``zos_stages``: [start, seconds, backend seconds]): what the rest of it (the carry map
-  and its copy, the metadata views) costs, measured rather than sampled.
+  it (``zos_stages``: [start, seconds, backend seconds, whether the step had a carry map]):
+  what the rest of it (the carry map and its copy, a torch call that releases the GIL, the
+  metadata views) costs, measured rather than sampled.
 
 ``OUT.json`` is rewritten every 2 s (the server is stopped with SIGTERM, which uvicorn handles).
 transformers 5.25's server runs each model in a spawned process of its own (its manager, the
@@ -36,7 +37,7 @@ import threading
 import time
 
 _steps: list = []
-_stages: list = []  # zos's decode stages: [start, seconds, the backend's stage seconds]
+_stages: list = []  # zos's decode stages: [start, seconds, backend's stage seconds, carry]
 _sched: dict = {}
 _MODEL_PROFILE = None  # (path, kind) of the model's process, set by main on transformers 5.25
 
@@ -156,7 +157,8 @@ def _time_stages() -> None:
         try:
             return stage(self, built, **kw)
         finally:
-            _stages.append((round(t, 6), round(time.perf_counter() - t, 7), round(inner[0], 7)))
+            _stages.append((round(t, 6), round(time.perf_counter() - t, 7), round(inner[0], 7),
+                            built.carry is not None))
     DeviceMetadataBackend.stage = timed_backend
     ZosDecodeRows.stage = timed_stage
 
