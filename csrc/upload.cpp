@@ -35,6 +35,7 @@ struct Driver {
   CUresult (*primary_ctx_release)(int);
   CUresult (*graph_launch)(void*, void*);
   CUresult (*stream_is_capturing)(void*, int*);
+  CUresult (*thread_exchange_capture_mode)(int*);
 };
 
 const Driver& driver() {
@@ -72,6 +73,8 @@ const Driver& driver() {
     r.graph_launch = reinterpret_cast<decltype(r.graph_launch)>(sym("cuGraphLaunch"));
     r.stream_is_capturing =
         reinterpret_cast<decltype(r.stream_is_capturing)>(sym("cuStreamIsCapturing"));
+    r.thread_exchange_capture_mode = reinterpret_cast<decltype(r.thread_exchange_capture_mode)>(
+        sym("cuThreadExchangeStreamCaptureMode"));
     return r;
   }();
   return d;
@@ -129,6 +132,29 @@ class ContextScope {
   bool restore_ = false;
 };
 
+// This thread's stream-capture mode set to thread-local for one scope (then put back): an
+// event query or synchronize, a "potentially unsafe" call, is then not refused because
+// another thread captures a CUDA graph in the global mode (torch's default), and does not
+// invalidate that capture. zos's events are never part of a capture (a stage refuses a
+// capturing stream); a capture of this thread's own still refuses the call, as it should.
+// PyTorch's NCCL watchdog queries its events so (pytorch/pytorch#104555, #148594). A failed
+// exchange leaves the mode as it was.
+class ThreadLocalCaptureMode {
+ public:
+  ThreadLocalCaptureMode() {
+    exchanged_ = driver().thread_exchange_capture_mode(&mode_) == 0;
+  }
+  ~ThreadLocalCaptureMode() {
+    if (exchanged_) driver().thread_exchange_capture_mode(&mode_);  // errors ignored
+  }
+  ThreadLocalCaptureMode(const ThreadLocalCaptureMode&) = delete;
+  ThreadLocalCaptureMode& operator=(const ThreadLocalCaptureMode&) = delete;
+
+ private:
+  int mode_ = 1;  // CU_STREAM_CAPTURE_MODE_THREAD_LOCAL; then the mode it replaced
+  bool exchanged_ = false;
+};
+
 constexpr unsigned kEventDisableTiming = 0x2;
 constexpr unsigned kMemHostAllocPortable = 0x1;   // CU_MEMHOSTALLOC_PORTABLE
 constexpr unsigned kMemHostAllocDeviceMap = 0x2;  // CU_MEMHOSTALLOC_DEVICEMAP
@@ -166,6 +192,7 @@ PinnedUpload::PinnedUpload(uint64_t dst, uint64_t src0, uint64_t src1, int64_t c
 PinnedUpload::~PinnedUpload() {
   try {
     ContextScope scope(ctx_);
+    ThreadLocalCaptureMode mode;
     for (auto* f : fence_)
       if (f) {
         driver().event_synchronize(f);  // errors ignored: nothing to report to in a destructor
@@ -178,16 +205,19 @@ PinnedUpload::~PinnedUpload() {
 
 void PinnedUpload::synchronize() {
   ContextScope scope(ctx_);
+  ThreadLocalCaptureMode mode;
   for (auto* f : fence_) check(driver().event_synchronize(f), "cuEventSynchronize");
 }
 
 bool PinnedUpload::ready() const {
   ContextScope scope(ctx_);
+  ThreadLocalCaptureMode mode;
   return driver().event_query(fence_[turn_]) == 0;
 }
 
 int PinnedUpload::acquire() {
   ContextScope scope(ctx_);
+  ThreadLocalCaptureMode mode;
   check(driver().event_synchronize(fence_[turn_]), "cuEventSynchronize");
   return turn_;
 }
@@ -268,6 +298,7 @@ bool MappedRing::applied(int32_t seq, int32_t newest) const {
 
 void MappedRing::wait_applied(int32_t seq, int32_t newest, uint64_t stream) {
   ContextScope scope(ctx_);
+  ThreadLocalCaptureMode mode;
   const Driver& d = driver();
   void* s = reinterpret_cast<void*>(stream);
   wait_for_build(built_, s);  // the fence below then comes after the last build, wherever it ran
@@ -292,6 +323,7 @@ void MappedRing::wait_applied(int32_t seq, int32_t newest, uint64_t stream) {
 
 void MappedRing::drain(uint64_t stream) {
   ContextScope scope(ctx_);
+  ThreadLocalCaptureMode mode;
   void* s = reinterpret_cast<void*>(stream);
   wait_for_build(built_, s);
   check(driver().event_record(fence_, s), "cuEventRecord");

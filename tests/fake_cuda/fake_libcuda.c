@@ -22,6 +22,19 @@ int fake_event_busy = 0;     /* cuEventQuery reports CUDA_ERROR_NOT_READY this m
 long fake_with_gil = 0, fake_without_gil = 0;  /* stream and event calls, by the caller's GIL */
 long fake_unsafe_in_capture = 0;  /* event queries and waits while fake_capturing: on CUDA they
                                      invalidate a capture in the global mode (torch's default) */
+int fake_other_thread_capturing = 0;  /* another thread captures in the global mode: an event
+                                         query or wait from a thread in the global mode is
+                                         refused (CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED) and
+                                         breaks that capture (counted) */
+long fake_captures_broken = 0;
+static __thread int capture_mode = 0;  /* this thread's CUstreamCaptureMode: 0 global (CUDA's
+                                          default), 1 thread-local, 2 relaxed */
+
+static int refused_by_other_capture(void) {
+  if (!fake_other_thread_capturing || capture_mode != 0) return 0;
+  ++fake_captures_broken;
+  return 1;
+}
 
 /* Counts a call by whether its thread holds the GIL (PyGILState_Check of the process's
  * Python, which exports its C API to extension modules). */
@@ -43,12 +56,14 @@ CUresult cuEventRecord(void* ev, void* stream) { note_gil(); return 0; }
 CUresult cuEventQuery(void* ev) {
   note_gil();
   if (fake_capturing) ++fake_unsafe_in_capture;
+  if (refused_by_other_capture()) return 900;  /* CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED */
   if (fake_event_busy > 0) { --fake_event_busy; return 600; /* CUDA_ERROR_NOT_READY */ }
   return 0;
 }
 CUresult cuEventSynchronize(void* ev) {
   note_gil();
   if (fake_capturing) ++fake_unsafe_in_capture;
+  if (refused_by_other_capture()) return 900;
   return 0;
 }
 CUresult cuStreamWaitEvent(void* stream, void* ev, unsigned flags) { note_gil(); return 0; }
@@ -77,6 +92,12 @@ CUresult cuStreamIsCapturing(void* stream, int* status) {
   note_gil();
   ++fake_capture_queries;
   *status = fake_capturing;
+  return 0;
+}
+CUresult cuThreadExchangeStreamCaptureMode(int* mode) {
+  int previous = capture_mode;
+  capture_mode = *mode;
+  *mode = previous;
   return 0;
 }
 CUresult cuGetErrorString(CUresult rc, const char** msg) {

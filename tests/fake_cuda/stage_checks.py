@@ -216,11 +216,53 @@ def gil_released_only_around_a_wait():
     assert calls(up.acquire) == (1, 1)  # the query; the wait
 
 
+def capture_mode_now():
+    """This thread's capture mode in the fake driver (0: global, CUDA's default)."""
+    mode = ctypes.c_int(0)
+    FAKE.cuThreadExchangeStreamCaptureMode(ctypes.byref(mode))  # mode <- the thread's
+    FAKE.cuThreadExchangeStreamCaptureMode(ctypes.byref(ctypes.c_int(mode.value)))
+    return mode.value
+
+
+def event_calls_leave_another_threads_capture_alone():
+    """While another thread captures a graph in the global mode (torch's default), zos's event
+    queries and waits (the upload's acquire, ready and synchronize, the ring's fence wait and
+    drain) run in the thread-local mode, so the driver neither refuses them nor breaks that
+    capture; the thread's mode is global again after each."""
+    fault("fake_other_thread_capturing", 1)
+    broken = count("fake_captures_broken")
+    dst, src = np.zeros(256, np.int32), [np.zeros(256, np.int32) for _ in range(2)]
+    up = PinnedUpload(dst.ctypes.data, src[0].ctypes.data, src[1].ctypes.data, 4 * 256, 0)
+    stage = packer().stage_call(up, 5, 0)
+    stage(STEPS[0], 1, 70)
+    fault("fake_event_busy", 1)
+    stage(STEPS[1], 2, 71)  # waits: not ready, then synchronize
+    assert up.ready() and up.acquire() in (0, 1)
+    up.synchronize()
+    ring, p = MappedRing(2, 256, 0), packer()
+    stage = p.stage_call(ring, 5, 0)
+    stage(STEPS[0], 1, 70)
+    stage(STEPS[1], 2, 71)
+    fault("fake_event_busy", 1)  # the fence is queried (busy once, then done)
+    raises(RuntimeError, "was staged but no build read", stage, STEPS[2], 3)
+    ring.done_array()[0] = 2  # both records built
+    ring.fence_repeat()
+    ring.acquire(5)  # drains: records a fence and waits for it
+    assert count("fake_captures_broken") == broken
+    assert capture_mode_now() == 0
+    fault("fake_other_thread_capturing", 0)
+    # the stand-in refuses a query in the global mode (what the guard prevents)
+    fault("fake_other_thread_capturing", 1)
+    assert FAKE.cuEventQuery(None) == 900 and count("fake_captures_broken") == broken + 1
+    fault("fake_other_thread_capturing", 0)
+
+
 if __name__ == "__main__":
     assert hasattr(FAKE, "fake_launches"), "libcuda.so.1 is not the fake driver"
     results = {}
     for name in sys.argv[1:]:
-        for f in ("fake_capturing", "fake_launch_error", "fake_copy_error", "fake_event_busy"):
+        for f in ("fake_capturing", "fake_launch_error", "fake_copy_error", "fake_event_busy",
+                  "fake_other_thread_capturing"):
             fault(f, 0)
         try:
             globals()[name]()
