@@ -1,6 +1,8 @@
 """Both metadata backends against the per-request truth, step after step: seeded traces,
 traces drawn by hypothesis over odd sizes, hand-written cases, bad input, and two backends
 taking the same buffers over one after the other."""
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -799,6 +801,64 @@ def test_stage_and_prepare_refuse_a_capturing_backend_stream(staging):
     want = host.prepare(step)
     torch.cuda.synchronize()
     _same_fields_then_sample(i, want, got, rng, step.num_reqs, host, dev)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="stream capture needs a GPU")
+@pytest.mark.parametrize("staging", ["mapped", "copy"])
+def test_prepare_beside_another_threads_capture(staging):
+    """Another thread captures a CUDA graph in torch's default (global) capture mode while this
+    one prepares a step (the one native call: the stage, with the copy path's event query, and
+    the prep graph's launch): the driver refuses nothing, the step's fields equal the
+    host-built backend's, and the other thread's graph is intact (it replays). PyTorch's NCCL
+    watchdog broke captures so with its event queries (pytorch/pytorch#104555)."""
+    r = 64
+    wl, dev, host = _prep_graph_backends(staging, seed=17, rows=r)
+    side, rng = torch.cuda.Stream(), np.random.default_rng(6)
+    side.wait_stream(torch.cuda.current_stream())
+    dev.stream = side
+    step = None
+    for i in range(12):
+        prev, step = step, wl.next_step()
+        if prev is not None and step.num_reqs == prev.num_reqs:
+            break  # a step whose N has passed: prepare takes its one native call
+        with torch.cuda.stream(side):
+            got = dev.prepare(step)
+        want = host.prepare(step)
+        torch.cuda.synchronize()
+        _same_fields_then_sample(i, want, got, rng, step.num_reqs, host, dev)
+    else:
+        pytest.fail("no two steps in a row with the same N")
+    x = torch.zeros(4, device="cuda")
+    graph, inside, staged, failed = torch.cuda.CUDAGraph(), threading.Event(), threading.Event(), []
+
+    def capture():  # another thread's capture, in the global mode, open while the step stages
+        try:
+            with torch.cuda.graph(graph):
+                x.add_(1)
+                inside.set()
+                staged.wait(60)
+                x.add_(1)
+        except BaseException as e:  # reported below
+            failed.append(e)
+        finally:
+            inside.set()
+
+    t = threading.Thread(target=capture)
+    t.start()
+    try:
+        assert inside.wait(60)
+        with torch.cuda.stream(side):
+            got = dev.prepare(step)
+    finally:
+        staged.set()
+        t.join(60)
+    assert not failed, failed
+    want = host.prepare(step)
+    torch.cuda.synchronize()
+    _same_fields_then_sample(i, want, got, rng, step.num_reqs, host, dev)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert x.tolist() == [2.0] * 4
 
 
 # --- the epilogue: a runner's launch after every build, inside the prep graphs ----------------
