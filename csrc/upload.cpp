@@ -137,8 +137,9 @@ class ContextScope {
 // another thread captures a CUDA graph in the global mode (torch's default), and does not
 // invalidate that capture. zos's events are never part of a capture (a stage refuses a
 // capturing stream); a capture of this thread's own still refuses the call, as it should.
-// PyTorch's NCCL watchdog queries its events so (pytorch/pytorch#104555, #148594). A failed
-// exchange leaves the mode as it was.
+// PyTorch's NCCL watchdog queries its events so (pytorch/pytorch#148594, #160398). A failed
+// exchange leaves the mode as it was. Scope: these objects' per-step calls and teardown; their
+// construction (pinned allocation) and the host-built backend's torch events are not covered.
 class ThreadLocalCaptureMode {
  public:
   ThreadLocalCaptureMode() {
@@ -278,6 +279,8 @@ MappedRing::~MappedRing() {
   }
   try {
     ContextScope scope(ctx_);
+    ThreadLocalCaptureMode mode;  // freeing pinned memory synchronizes: another thread may be
+                                  // capturing (the garbage collector frees on any thread)
     if (fence_) driver().event_destroy(fence_);
     if (host_) driver().mem_free_host(host_);
   } catch (...) {  // nothing to report to in a destructor

@@ -1,6 +1,7 @@
 """Both metadata backends against the per-request truth, step after step: seeded traces,
 traces drawn by hypothesis over odd sizes, hand-written cases, bad input, and two backends
 taking the same buffers over one after the other."""
+import gc
 import threading
 
 import numpy as np
@@ -804,30 +805,36 @@ def test_stage_and_prepare_refuse_a_capturing_backend_stream(staging):
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="stream capture needs a GPU")
+@pytest.mark.parametrize("on_side_stream", [False, True])
 @pytest.mark.parametrize("staging", ["mapped", "copy"])
-def test_prepare_beside_another_threads_capture(staging):
+def test_prepare_beside_another_threads_capture(staging, on_side_stream):
     """Another thread captures a CUDA graph in torch's default (global) capture mode while this
-    one prepares a step (the one native call: the stage, with the copy path's event query, and
-    the prep graph's launch): the driver refuses nothing, the step's fields equal the
+    one prepares a step (the one native call: the stage, with an event query on the copy path
+    and a drain of the ring's fence on the mapped one, and the prep graph's launch), on the
+    default stream or a side one: the driver refuses nothing, the step's fields equal the
     host-built backend's, and the other thread's graph is intact (it replays). PyTorch's NCCL
-    watchdog broke captures so with its event queries (pytorch/pytorch#104555)."""
+    watchdog broke captures so with its event queries (pytorch/pytorch#104487, #148594)."""
     r = 64
     wl, dev, host = _prep_graph_backends(staging, seed=17, rows=r)
     side, rng = torch.cuda.Stream(), np.random.default_rng(6)
+    stream = side if on_side_stream else torch.cuda.current_stream()
     side.wait_stream(torch.cuda.current_stream())
-    dev.stream = side
+    dev.stream = stream
     step = None
     for i in range(12):
         prev, step = step, wl.next_step()
         if prev is not None and step.num_reqs == prev.num_reqs:
             break  # a step whose N has passed: prepare takes its one native call
-        with torch.cuda.stream(side):
+        with torch.cuda.stream(stream):
             got = dev.prepare(step)
         want = host.prepare(step)
         torch.cuda.synchronize()
         _same_fields_then_sample(i, want, got, rng, step.num_reqs, host, dev)
     else:
         pytest.fail("no two steps in a row with the same N")
+    assert step.num_reqs in dev._graph_steps  # the one native call
+    if dev.ring is not None:
+        dev.ring.fences.fence_repeat()  # the next stage drains: an event record and wait
     x = torch.zeros(4, device="cuda")
     graph, inside, staged, failed = torch.cuda.CUDAGraph(), threading.Event(), threading.Event(), []
 
@@ -843,16 +850,19 @@ def test_prepare_beside_another_threads_capture(staging):
         finally:
             inside.set()
 
+    gc.collect()  # no backend left by an earlier test is freed in the window (a free syncs)
+    gc.disable()
     t = threading.Thread(target=capture)
-    t.start()
     try:
+        t.start()
         assert inside.wait(60)
-        with torch.cuda.stream(side):
+        with torch.cuda.stream(stream):
             got = dev.prepare(step)
     finally:
         staged.set()
         t.join(60)
-    assert not failed, failed
+        gc.enable()
+    assert not t.is_alive() and not failed, failed
     want = host.prepare(step)
     torch.cuda.synchronize()
     _same_fields_then_sample(i, want, got, rng, step.num_reqs, host, dev)
