@@ -765,6 +765,29 @@ def test_a_taken_over_backend_refuses_its_one_call_prepare(staging):
     assert new.prev_num_reqs == 0
 
 
+def _prepare_and_compare(i, step, stream, dev, host, rng):
+    """``dev.prepare(step)`` on ``stream``, every field against the host-built backend's."""
+    with torch.cuda.stream(stream):
+        got = dev.prepare(step)
+    want = host.prepare(step)
+    torch.cuda.synchronize()
+    _same_fields_then_sample(i, want, got, rng, step.num_reqs, host, dev)
+
+
+def _next_one_call_step(wl, dev, host, stream, rng):
+    """Prepares (and checks) the workload's steps on ``stream`` until one whose N has passed
+    through ``prepare``: returns its index and that step, not prepared, which ``prepare`` takes
+    as its one native call (the stage and the prep graph's launch)."""
+    step = None
+    for i in range(12):
+        prev, step = step, wl.next_step()
+        if prev is not None and step.num_reqs == prev.num_reqs:
+            assert step.num_reqs in dev._graph_steps
+            return i, step
+        _prepare_and_compare(i, step, stream, dev, host, rng)
+    pytest.fail("no two steps in a row with the same N")
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="stream capture needs a GPU")
 @pytest.mark.parametrize("staging", ["mapped", "copy"])
 def test_stage_and_prepare_refuse_a_capturing_backend_stream(staging):
@@ -777,31 +800,15 @@ def test_stage_and_prepare_refuse_a_capturing_backend_stream(staging):
     side, rng = torch.cuda.Stream(), np.random.default_rng(4)
     side.wait_stream(torch.cuda.current_stream())
     dev.stream = side
-    step = None
-    for i in range(12):
-        prev, step = step, wl.next_step()
-        if prev is not None and step.num_reqs == prev.num_reqs:
-            break  # a step whose N has passed: prepare would take its one native call
-        with torch.cuda.stream(side):
-            got = dev.prepare(step)
-        want = host.prepare(step)
-        torch.cuda.synchronize()
-        _same_fields_then_sample(i, want, got, rng, step.num_reqs, host, dev)
-    else:
-        pytest.fail("no two steps in a row with the same N")
+    i, step = _next_one_call_step(wl, dev, host, side, rng)
     before = dev.prev_num_reqs
-    assert step.num_reqs in dev._graph_steps  # prepare takes the one-call path for this N
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=side):
         for call in (dev.stage, dev.prepare):
             with pytest.raises(RuntimeError, match="the backend's stream is capturing"):
                 call(step)
     assert dev.prev_num_reqs == before
-    with torch.cuda.stream(side):
-        got = dev.prepare(step)
-    want = host.prepare(step)
-    torch.cuda.synchronize()
-    _same_fields_then_sample(i, want, got, rng, step.num_reqs, host, dev)
+    _prepare_and_compare(i, step, side, dev, host, rng)
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="stream capture needs a GPU")
@@ -820,19 +827,7 @@ def test_prepare_beside_another_threads_capture(staging, on_side_stream):
     stream = side if on_side_stream else torch.cuda.current_stream()
     side.wait_stream(torch.cuda.current_stream())
     dev.stream = stream
-    step = None
-    for i in range(12):
-        prev, step = step, wl.next_step()
-        if prev is not None and step.num_reqs == prev.num_reqs:
-            break  # a step whose N has passed: prepare takes its one native call
-        with torch.cuda.stream(stream):
-            got = dev.prepare(step)
-        want = host.prepare(step)
-        torch.cuda.synchronize()
-        _same_fields_then_sample(i, want, got, rng, step.num_reqs, host, dev)
-    else:
-        pytest.fail("no two steps in a row with the same N")
-    assert step.num_reqs in dev._graph_steps  # the one native call
+    i, step = _next_one_call_step(wl, dev, host, stream, rng)
     if dev.ring is not None:
         dev.ring.fences.fence_repeat()  # the next stage drains: an event record and wait
     x = torch.zeros(4, device="cuda")
