@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from zos._C import PinnedUpload
 from zos.buckets import POLICIES
 from zos.buffers import DecodeBuffers, StepMetadata
 from zos.device_backend import DeviceMetadataBackend
@@ -121,14 +122,27 @@ class ZosDecodeRows:
         self.logits_rows = torch.zeros(max_requests, dtype=torch.int32, device=device)
         # (id(md), num_sampled) -> (md, args, (input ids, positions) [1, P], logits rows, args)
         self._views: dict = {}
-        self.carry = None
+        self.carry = self._carry_upload = None
         if async_carry:  # -1: the row's token came with the record
             self.carry = torch.full((max_requests,), -1, dtype=torch.int32, device=device)
             self._carry_host = [torch.full((max_requests,), -1, dtype=torch.int32,
                                            pin_memory=cuda) for _ in range(2)]
             self._carry_np = [h.numpy() for h in self._carry_host]  # filled by numpy: no GIL drop
-            self._carry_turn = 0
+            if cuda:  # the map's copy issued natively, the GIL kept (see ``stage``)
+                index = device.index if device.index is not None else torch.cuda.current_device()
+                self._carry_upload = PinnedUpload(
+                    self.carry.data_ptr(), self._carry_host[0].data_ptr(),
+                    self._carry_host[1].data_ptr(), 4 * max_requests, index)
+                self._stream_handle = (stream or torch.cuda.current_stream(index)).cuda_stream
         self.forget()
+
+    def __del__(self) -> None:
+        upload = getattr(self, "_carry_upload", None)
+        if upload is not None:
+            try:  # no copy may read a pinned carry map once it is freed
+                upload.synchronize()
+            except RuntimeError:  # at interpreter exit the CUDA context may be gone
+                pass
 
     def forget(self) -> None:
         """No row is carried into the next zos step (after a transformers step, or a reset):
@@ -258,19 +272,21 @@ class ZosDecodeRows:
         else:
             plan = self.backend.stage(built.step)
         if built.carry is not None:
-            # The map is written with numpy, and uploaded in one copy: each torch op drops the
-            # GIL, which a busy Python thread (the server's output thread) may then keep for up
-            # to its switch interval. Two host buffers in turn: the copy that read this one, two
-            # steps ago, is done, since transformers waited for that step's outputs (which the
-            # compute stream produced after the copy) before preparing this step.
-            turn = self._carry_turn
-            self._carry_turn ^= 1
+            # The map is written with numpy and, on CUDA, uploaded by one native call that
+            # keeps the GIL (``PinnedUpload``: two pinned buffers in turn, each fenced by an
+            # event after its copy, so a buffer is rewritten only once its copy is done). A
+            # torch op drops the GIL, which a busy Python thread (the server's output thread)
+            # may then keep for up to its switch interval: ~1 ms per step under load.
+            upload = self._carry_upload
+            turn = upload.acquire() if upload is not None else 0
             host = self._carry_np[turn]
             host.fill(-1)
             rows, srcs = zip(*built.carry)
             host[list(rows)] = srcs
-            with self._on_stream():
-                self.carry.copy_(self._carry_host[turn], non_blocking=True)
+            if upload is not None:
+                upload.submit(turn, host.nbytes, self._stream_handle)
+            else:  # CPU: a plain copy
+                self.carry.copy_(self._carry_host[0])
         self.prev = built.rows
         return self.backend.metadata(plan)
 
