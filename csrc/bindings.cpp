@@ -519,9 +519,14 @@ Raises:
            py::arg("stream"),
            "Enqueue the copy of nbytes of buffer k on stream (a raw CUstream) and fence it.\n\n"
            "Raises ValueError if k is not the acquired buffer or nbytes exceeds capacity.")
-      .def("synchronize", &zos::PinnedUpload::synchronize,
+      .def("synchronize", &zos::PinnedUpload::synchronize, py::arg("teardown") = false,
            py::call_guard<py::gil_scoped_release>(),
-           "Wait until both buffers' copies are done (before freeing the pinned buffers).")
+           "Wait until both buffers' copies are done (before freeing the pinned buffers).\n\n"
+           "``teardown=True`` (a ``__del__``, which the garbage collector may run inside this "
+           "thread's own CUDA graph capture): in the relaxed capture mode, so the driver "
+           "refuses nothing and that capture stays intact; otherwise the thread-local mode "
+           "(a capture of this thread's own refuses the wait).\n\n"
+           "Raises RuntimeError if the driver reports an error.")
       .def("set_build_events", &zos::PinnedUpload::set_build_events, py::arg("built"),
            py::arg("staged"),
            "Build ordering (docs/ZOS.md, \"The runner contract\"): from now on each submit "

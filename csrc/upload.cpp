@@ -132,29 +132,41 @@ class ContextScope {
   bool restore_ = false;
 };
 
-// This thread's stream-capture mode set to thread-local for one scope (then put back): an
-// event query or synchronize, a "potentially unsafe" call, is then not refused because
-// another thread captures a CUDA graph in the global mode (torch's default), and does not
-// invalidate that capture. zos's events are never part of a capture (a stage refuses a
-// capturing stream); a capture of this thread's own still refuses the call, as it should.
-// PyTorch's NCCL watchdog queries its events so (pytorch/pytorch#148594, #160398). A failed
-// exchange leaves the mode as it was. Scope: these objects' per-step calls and teardown; their
-// construction (pinned allocation) and the host-built backend's torch events are not covered.
-class ThreadLocalCaptureMode {
+// This thread's stream-capture mode set for one scope (then put back). Per-step calls use the
+// thread-local mode: an event query or synchronize, a "potentially unsafe" call, is then not
+// refused because another thread captures a CUDA graph in the global mode (torch's default),
+// and does not invalidate that capture; a capture of this thread's own still refuses it (zos's
+// events are never part of a capture: a stage refuses a capturing stream). PyTorch's NCCL
+// watchdog queries its events so (pytorch/pytorch#148594, #160398). Teardown (a destructor,
+// or Python's garbage collector, which runs on whatever thread allocates, possibly inside that
+// thread's own capture) uses the relaxed mode: the driver then refuses nothing and breaks no
+// capture, the calls touching only events recorded outside any capture. Nested scopes keep
+// the outermost scope's mode (a teardown that waits through synchronize stays relaxed). A
+// failed exchange leaves the mode as it was. Not covered: construction (pinned allocation)
+// and the host-built backend's torch events.
+constexpr int kCaptureThreadLocal = 1;  // CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
+constexpr int kCaptureRelaxed = 2;      // CU_STREAM_CAPTURE_MODE_RELAXED
+
+class CaptureModeScope {
  public:
-  ThreadLocalCaptureMode() {
-    exchanged_ = driver().thread_exchange_capture_mode(&mode_) == 0;
+  explicit CaptureModeScope(int mode) : mode_(mode) {
+    if (depth_ == 0) exchanged_ = driver().thread_exchange_capture_mode(&mode_) == 0;
+    ++depth_;
   }
-  ~ThreadLocalCaptureMode() {
+  ~CaptureModeScope() {
+    --depth_;
     if (exchanged_) driver().thread_exchange_capture_mode(&mode_);  // errors ignored
   }
-  ThreadLocalCaptureMode(const ThreadLocalCaptureMode&) = delete;
-  ThreadLocalCaptureMode& operator=(const ThreadLocalCaptureMode&) = delete;
+  CaptureModeScope(const CaptureModeScope&) = delete;
+  CaptureModeScope& operator=(const CaptureModeScope&) = delete;
 
  private:
-  int mode_ = 1;  // CU_STREAM_CAPTURE_MODE_THREAD_LOCAL; then the mode it replaced
+  static thread_local int depth_;
+  int mode_;  // the mode set; then the mode it replaced
   bool exchanged_ = false;
 };
+
+thread_local int CaptureModeScope::depth_ = 0;
 
 constexpr unsigned kEventDisableTiming = 0x2;
 constexpr unsigned kMemHostAllocPortable = 0x1;   // CU_MEMHOSTALLOC_PORTABLE
@@ -193,7 +205,7 @@ PinnedUpload::PinnedUpload(uint64_t dst, uint64_t src0, uint64_t src1, int64_t c
 PinnedUpload::~PinnedUpload() {
   try {
     ContextScope scope(ctx_);
-    ThreadLocalCaptureMode mode;
+    CaptureModeScope mode(kCaptureRelaxed);
     for (auto* f : fence_)
       if (f) {
         driver().event_synchronize(f);  // errors ignored: nothing to report to in a destructor
@@ -204,21 +216,21 @@ PinnedUpload::~PinnedUpload() {
   if (retained_ >= 0) driver().primary_ctx_release(retained_);
 }
 
-void PinnedUpload::synchronize() {
+void PinnedUpload::synchronize(bool teardown) {
   ContextScope scope(ctx_);
-  ThreadLocalCaptureMode mode;
+  CaptureModeScope mode(teardown ? kCaptureRelaxed : kCaptureThreadLocal);
   for (auto* f : fence_) check(driver().event_synchronize(f), "cuEventSynchronize");
 }
 
 bool PinnedUpload::ready() const {
   ContextScope scope(ctx_);
-  ThreadLocalCaptureMode mode;
+  CaptureModeScope mode(kCaptureThreadLocal);
   return driver().event_query(fence_[turn_]) == 0;
 }
 
 int PinnedUpload::acquire() {
   ContextScope scope(ctx_);
-  ThreadLocalCaptureMode mode;
+  CaptureModeScope mode(kCaptureThreadLocal);
   check(driver().event_synchronize(fence_[turn_]), "cuEventSynchronize");
   return turn_;
 }
@@ -273,16 +285,25 @@ MappedRing::MappedRing(int64_t num_slots, int64_t slot_words, int64_t device)
 }
 
 MappedRing::~MappedRing() {
+  bool release = true;
   try {
-    synchronize();
+    ContextScope scope(ctx_);
+    CaptureModeScope mode(kCaptureRelaxed);  // the freeing thread's own capture may be open
+    const int32_t newest = seq_of((next_ + num_slots_ - 1) % num_slots_);
+    const bool pending = fence_repeat_ || (commits_ > 0 && !applied(newest, newest));
+    int status = 0;
+    if (pending && driver().stream_is_capturing(reinterpret_cast<void*>(last_stream_),
+                                                &status) == 0 && status != 0)
+      release = false;  // a fence recorded there would join the capture: keep the memory
+    else
+      synchronize();
   } catch (...) {  // nothing to report to in a destructor; free anyway
   }
   try {
     ContextScope scope(ctx_);
-    ThreadLocalCaptureMode mode;  // freeing pinned memory synchronizes: another thread may be
-                                  // capturing (the garbage collector frees on any thread)
-    if (fence_) driver().event_destroy(fence_);
-    if (host_) driver().mem_free_host(host_);
+    CaptureModeScope mode(kCaptureRelaxed);  // freeing pinned memory synchronizes
+    if (release && fence_) driver().event_destroy(fence_);
+    if (release && host_) driver().mem_free_host(host_);
   } catch (...) {  // nothing to report to in a destructor
   }
   if (retained_ >= 0) driver().primary_ctx_release(retained_);
@@ -301,7 +322,7 @@ bool MappedRing::applied(int32_t seq, int32_t newest) const {
 
 void MappedRing::wait_applied(int32_t seq, int32_t newest, uint64_t stream) {
   ContextScope scope(ctx_);
-  ThreadLocalCaptureMode mode;
+  CaptureModeScope mode(kCaptureThreadLocal);
   const Driver& d = driver();
   void* s = reinterpret_cast<void*>(stream);
   wait_for_build(built_, s);  // the fence below then comes after the last build, wherever it ran
@@ -326,7 +347,7 @@ void MappedRing::wait_applied(int32_t seq, int32_t newest, uint64_t stream) {
 
 void MappedRing::drain(uint64_t stream) {
   ContextScope scope(ctx_);
-  ThreadLocalCaptureMode mode;
+  CaptureModeScope mode(kCaptureThreadLocal);
   void* s = reinterpret_cast<void*>(stream);
   wait_for_build(built_, s);
   check(driver().event_record(fence_, s), "cuEventRecord");

@@ -32,7 +32,10 @@ class PinnedUpload {
   // and records k's fence after it; the next acquire returns the other buffer.
   void submit(int k, int64_t nbytes, uint64_t stream);
   // Waits until both buffers' copies are done (before the pinned buffers are freed).
-  void synchronize();
+  // teardown: in the relaxed capture mode (a destructor or Python's garbage collector, which
+  // may run inside the calling thread's own graph capture): the driver refuses nothing and
+  // that capture stays intact. Otherwise the thread-local mode of every per-step call.
+  void synchronize(bool teardown = false);
   // Pinned buffer k (0 or 1), as int32 words, and the bytes each buffer holds.
   int32_t* host_buffer(int k) const { return reinterpret_cast<int32_t*>(src_[k]); }
   int64_t capacity() const { return capacity_; }
@@ -91,7 +94,9 @@ class MappedRing {
   // i.e. for every build enqueued so far.
   void fence_repeat() { fence_repeat_ = true; }
   // Waits until the build of the record committed last (and a repeated build) has finished
-  // (before the memory is freed); the same errors as acquire.
+  // (before the memory is freed); the same errors as acquire. The destructor waits so in the
+  // relaxed capture mode; if a build may still read the records and the stage's stream is
+  // capturing a graph then (a fence cannot be recorded there), it keeps the memory (leaked).
   void synchronize();
   // Build ordering (docs/ZOS.md, "The runner contract"): when a wait falls back to its
   // fence, the stage's stream first waits for `built` (a CUevent recorded after each build

@@ -3,6 +3,7 @@ traces drawn by hypothesis over odd sizes, hand-written cases, bad input, and tw
 taking the same buffers over one after the other."""
 import gc
 import threading
+import weakref
 
 import numpy as np
 import pytest
@@ -865,6 +866,37 @@ def test_prepare_beside_another_threads_capture(staging, on_side_stream):
     torch.cuda.synchronize()
     assert x.tolist() == [2.0] * 4
 
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="stream capture needs a GPU")
+@pytest.mark.parametrize("on_side_stream", [False, True])
+@pytest.mark.parametrize("staging", ["mapped", "copy"])
+def test_backend_freed_inside_its_threads_capture(staging, on_side_stream):
+    """A backend freed (its last reference dropped, then the garbage collector run) inside a
+    CUDA graph capture of the same thread, in torch's default global mode, after a step: its
+    teardown waits for its copies' fences, or drains the ring, in the relaxed capture mode, so
+    the capture completes and its graph replays. A wait in the per-step mode is refused there
+    and breaks the capture (torch's caching allocator defers the event calls of a block
+    freed during a capture for the same reason)."""
+    wl, dev, host = _prep_graph_backends(staging, seed=19, rows=64)
+    side, rng = torch.cuda.Stream(), np.random.default_rng(8)
+    stream = side if on_side_stream else torch.cuda.current_stream()
+    side.wait_stream(torch.cuda.current_stream())
+    dev.stream = stream
+    _next_one_call_step(wl, dev, host, stream, rng)
+    if dev.ring is not None:
+        dev.ring.fences.fence_repeat()  # its teardown drains: an event record and wait
+    freed, x, graph = weakref.ref(dev), torch.zeros(4, device="cuda"), torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        x.add_(1)
+        del dev
+        gc.collect()
+        alive = freed() is not None
+        x.add_(1)
+    assert not alive
+    graph.replay()
+    torch.cuda.synchronize()
+    assert x.tolist() == [2.0] * 4
 
 # --- the epilogue: a runner's launch after every build, inside the prep graphs ----------------
 

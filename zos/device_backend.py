@@ -346,12 +346,15 @@ class DeviceMetadataBackend(MetadataBackend):
         return self._ring
 
     def __del__(self) -> None:
-        for sync in (getattr(self, "_upload", None), getattr(self, "_ring", None)):
-            if sync is not None:
-                try:  # no copy or build may read the pinned records once they are freed
-                    sync.synchronize()
-                except RuntimeError:  # at interpreter exit the CUDA context may be gone
-                    pass
+        # No copy may read the pinned records once they are freed (the ring's memory is its
+        # own: its destructor waits). teardown: the garbage collector may run this inside the
+        # thread's own graph capture, which a wait in the per-step mode would break.
+        upload = getattr(self, "_upload", None)
+        if upload is not None:
+            try:
+                upload.synchronize(teardown=True)
+            except RuntimeError:  # at interpreter exit the CUDA context may be gone
+                pass
         native = getattr(self, "_native", None)
         if getattr(self, "_order", None) is not None and native is not None:
             native.set_build_events(0, 0)  # the events die with this backend, the ring may not

@@ -26,12 +26,17 @@ int fake_other_thread_capturing = 0;  /* another thread captures in the global m
                                          query or wait from a thread in the global mode is
                                          refused (CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED) and
                                          breaks that capture (counted) */
+int fake_own_capture = 0;  /* this thread captures (on a stream of its own, in the global
+                              mode): an event query or wait is refused and breaks that capture
+                              unless the thread's mode is relaxed */
 long fake_captures_broken = 0;
 static __thread int capture_mode = 0;  /* this thread's CUstreamCaptureMode: 0 global (CUDA's
                                           default), 1 thread-local, 2 relaxed */
 
-static int refused_by_other_capture(void) {
-  if (!fake_other_thread_capturing || capture_mode != 0) return 0;
+static int refused_by_capture(void) {
+  if (!(fake_other_thread_capturing && capture_mode == 0) &&
+      !(fake_own_capture && capture_mode != 2))
+    return 0;
   ++fake_captures_broken;
   return 1;
 }
@@ -56,14 +61,14 @@ CUresult cuEventRecord(void* ev, void* stream) { note_gil(); return 0; }
 CUresult cuEventQuery(void* ev) {
   note_gil();
   if (fake_capturing) ++fake_unsafe_in_capture;
-  if (refused_by_other_capture()) return 900;  /* CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED */
+  if (refused_by_capture()) return 900;  /* CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED */
   if (fake_event_busy > 0) { --fake_event_busy; return 600; /* CUDA_ERROR_NOT_READY */ }
   return 0;
 }
 CUresult cuEventSynchronize(void* ev) {
   note_gil();
   if (fake_capturing) ++fake_unsafe_in_capture;
-  if (refused_by_other_capture()) return 900;
+  if (refused_by_capture()) return 900;
   return 0;
 }
 CUresult cuStreamWaitEvent(void* stream, void* ev, unsigned flags) { note_gil(); return 0; }

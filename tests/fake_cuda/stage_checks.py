@@ -257,12 +257,55 @@ def event_calls_leave_another_threads_capture_alone():
     fault("fake_other_thread_capturing", 0)
 
 
+
+def driver_calls():
+    """Stream and event calls so far (each counted once, by its caller's GIL)."""
+    return count("fake_with_gil") + count("fake_without_gil")
+
+
+def teardown_inside_own_capture():
+    """Python's garbage collector may free zos's objects inside the freeing thread's own graph
+    capture (global mode, torch's default). Their teardown waits in the relaxed mode: the driver
+    refuses nothing and the capture stays intact, where a per-step wait is refused and breaks
+    it. A ring whose builds may still read its records while the stage's stream itself
+    captures keeps its memory rather than record a fence into that capture."""
+    broken = count("fake_captures_broken")
+    dst, src = np.zeros(256, np.int32), [np.zeros(256, np.int32) for _ in range(2)]
+    up = PinnedUpload(dst.ctypes.data, src[0].ctypes.data, src[1].ctypes.data, 4 * 256, 0)
+    up.submit(up.acquire(), 64, 5)
+    ring, p = MappedRing(2, 256, 0), packer()
+    stage = p.stage_call(ring, 5, 0)
+    stage(STEPS[0], 1, 70)
+    ring.done_array()[0] = 1  # its build finished
+    ring.fence_repeat()  # and was repeated: teardown drains (records a fence, waits for it)
+    fault("fake_own_capture", 1)
+    raises(RuntimeError, "cuEventSynchronize", up.synchronize)
+    assert count("fake_captures_broken") == broken + 1
+    calls = driver_calls()
+    up.synchronize(teardown=True)
+    del up  # waits for both fences
+    assert driver_calls() - calls == 4
+    calls = driver_calls()
+    del stage, p, ring  # the capture query, the drain's record and wait
+    assert driver_calls() - calls == 3
+    assert count("fake_captures_broken") == broken + 1 and capture_mode_now() == 0
+    fault("fake_own_capture", 0)
+    ring, p = MappedRing(2, 256, 0), packer()
+    stage = p.stage_call(ring, 5, 0)
+    stage(STEPS[0], 1, 70)  # not built yet
+    fault("fake_capturing", 1)  # the stage's stream is the capturing one
+    fault("fake_own_capture", 1)
+    calls = driver_calls()
+    del stage, p, ring  # the capture query only: no fence, no wait, the memory kept
+    assert driver_calls() - calls == 1 and count("fake_captures_broken") == broken + 1
+
+
 if __name__ == "__main__":
     assert hasattr(FAKE, "fake_launches"), "libcuda.so.1 is not the fake driver"
     results = {}
     for name in sys.argv[1:]:
         for f in ("fake_capturing", "fake_launch_error", "fake_copy_error", "fake_event_busy",
-                  "fake_other_thread_capturing"):
+                  "fake_other_thread_capturing", "fake_own_capture"):
             fault(f, 0)
         try:
             globals()[name]()

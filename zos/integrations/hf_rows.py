@@ -139,8 +139,8 @@ class ZosDecodeRows:
     def __del__(self) -> None:
         upload = getattr(self, "_carry_upload", None)
         if upload is not None:
-            try:  # no copy may read a pinned carry map once it is freed
-                upload.synchronize()
+            try:  # no copy may read a pinned carry map once it is freed (teardown: see
+                upload.synchronize(teardown=True)  # DeviceMetadataBackend.__del__)
             except RuntimeError:  # at interpreter exit the CUDA context may be gone
                 pass
 
