@@ -589,10 +589,15 @@ Raises:
            "waiting acquire comes after the CUevent ``built`` (recorded after each build that "
            "may run on another stream); ``staged`` is unused (the record is in host memory). "
            "Raw handles; 0, 0 turns it off.")
-      .def("synchronize", &zos::MappedRing::synchronize,
+      .def("synchronize", &zos::MappedRing::synchronize, py::arg("teardown") = false,
            py::call_guard<py::gil_scoped_release>(),
            "Wait until the build of the record committed last has finished (as ``acquire`` "
-           "waits, with its errors).")
+           "waits, with its errors).\n\n"
+           "``teardown=True`` (a ``__del__``, before the build events die; the garbage collector "
+           "may run it inside this thread's own CUDA graph capture): in the relaxed capture "
+           "mode; if a build may still read the records while the stage's stream is capturing "
+           "(a fence recorded there would join the capture), no wait: the memory is kept "
+           "(never freed).")
       .def("array", [](py::object self) {
              auto& ring = self.cast<zos::MappedRing&>();
              return py::array_t<int32_t>({ring.num_slots(), ring.slot_words()},

@@ -285,25 +285,15 @@ MappedRing::MappedRing(int64_t num_slots, int64_t slot_words, int64_t device)
 }
 
 MappedRing::~MappedRing() {
-  bool release = true;
   try {
-    ContextScope scope(ctx_);
-    CaptureModeScope mode(kCaptureRelaxed);  // the freeing thread's own capture may be open
-    const int32_t newest = seq_of((next_ + num_slots_ - 1) % num_slots_);
-    const bool pending = fence_repeat_ || (commits_ > 0 && !applied(newest, newest));
-    int status = 0;
-    if (pending && driver().stream_is_capturing(reinterpret_cast<void*>(last_stream_),
-                                                &status) == 0 && status != 0)
-      release = false;  // a fence recorded there would join the capture: keep the memory
-    else
-      synchronize();
-  } catch (...) {  // nothing to report to in a destructor; free anyway
+    synchronize(true);
+  } catch (...) {  // nothing to report to in a destructor; free anyway (unless kept)
   }
   try {
     ContextScope scope(ctx_);
     CaptureModeScope mode(kCaptureRelaxed);  // freeing pinned memory synchronizes
-    if (release && fence_) driver().event_destroy(fence_);
-    if (release && host_) driver().mem_free_host(host_);
+    if (!keep_ && fence_) driver().event_destroy(fence_);
+    if (!keep_ && host_) driver().mem_free_host(host_);
   } catch (...) {  // nothing to report to in a destructor
   }
   if (retained_ >= 0) driver().primary_ctx_release(retained_);
@@ -384,7 +374,26 @@ void MappedRing::commit() {
   next_ = static_cast<int>((next_ + 1) % num_slots_);
 }
 
-void MappedRing::synchronize() {
+void MappedRing::synchronize(bool teardown) {
+  if (keep_) return;
+  if (teardown) {
+    ContextScope scope(ctx_);
+    CaptureModeScope mode(kCaptureRelaxed);  // the nested waits below keep it
+    bool pending = fence_repeat_;
+    if (!pending && commits_ > 0) {
+      const int32_t newest = seq_of((next_ + num_slots_ - 1) % num_slots_);
+      pending = !applied(newest, newest);
+    }
+    if (!pending) return;
+    int status = 0;
+    if (driver().stream_is_capturing(reinterpret_cast<void*>(last_stream_), &status) != 0 ||
+        status != 0) {
+      keep_ = true;  // a fence recorded there would join the capture (or break it)
+      return;
+    }
+    synchronize(false);
+    return;
+  }
   if (fence_repeat_) drain(last_stream_);
   if (commits_ == 0) return;
   const int32_t newest = seq_of((next_ + num_slots_ - 1) % num_slots_);

@@ -94,10 +94,12 @@ class MappedRing {
   // i.e. for every build enqueued so far.
   void fence_repeat() { fence_repeat_ = true; }
   // Waits until the build of the record committed last (and a repeated build) has finished
-  // (before the memory is freed); the same errors as acquire. The destructor waits so in the
-  // relaxed capture mode; if a build may still read the records and the stage's stream is
-  // capturing a graph then (a fence cannot be recorded there), it keeps the memory (leaked).
-  void synchronize();
+  // (before the memory is freed); the same errors as acquire. teardown (the destructor, a
+  // Python __del__ before the build events die): in the relaxed capture mode; and if a build
+  // may still read the records while the stage's stream is capturing a graph (a fence
+  // recorded there would join the capture) or cannot be asked, no wait: the memory is kept
+  // (leaked) and later waits return at once.
+  void synchronize(bool teardown = false);
   // Build ordering (docs/ZOS.md, "The runner contract"): when a wait falls back to its
   // fence, the stage's stream first waits for `built` (a CUevent recorded after each build
   // that may run on another stream), so the fence comes after the last build wherever it
@@ -143,6 +145,7 @@ class MappedRing {
   int next_ = 0;
   int64_t commits_ = 0;
   bool fence_repeat_ = false;
+  bool keep_ = false;  // teardown could not wait: the memory is never freed
   uint64_t last_stream_ = 0;
   int64_t waits_ = 0;
   void* built_ = nullptr;

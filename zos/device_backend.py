@@ -346,17 +346,23 @@ class DeviceMetadataBackend(MetadataBackend):
         return self._ring
 
     def __del__(self) -> None:
-        # No copy may read the pinned records once they are freed (the ring's memory is its
-        # own: its destructor waits). teardown: the garbage collector may run this inside the
-        # thread's own graph capture, which a wait in the per-step mode would break.
-        upload = getattr(self, "_upload", None)
-        if upload is not None:
-            try:
-                upload.synchronize(teardown=True)
-            except RuntimeError:  # at interpreter exit the CUDA context may be gone
-                pass
+        # No copy or build may read the pinned records once they are freed: wait while the
+        # build events (which a ring's wait orders after builds on other streams) are alive.
+        # teardown: the garbage collector may run this inside the thread's own graph capture,
+        # which a wait in the per-step mode would break. A build last captured has its event
+        # recorded in a capture, which no wait can follow: the ring's destructor waits then.
+        order = getattr(self, "_order", None)
+        syncs = [getattr(self, "_upload", None)]
+        if order is None or not order.capturing:
+            syncs.append(getattr(self, "_ring", None))
+        for sync in syncs:
+            if sync is not None:
+                try:
+                    sync.synchronize(teardown=True)
+                except RuntimeError:  # at interpreter exit the CUDA context may be gone
+                    pass
         native = getattr(self, "_native", None)
-        if getattr(self, "_order", None) is not None and native is not None:
+        if order is not None and native is not None:
             native.set_build_events(0, 0)  # the events die with this backend, the ring may not
 
     def _launch_prep(self, padded_size: int) -> None:

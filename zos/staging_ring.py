@@ -184,9 +184,9 @@ class DoneWordFences:
         self._commits += 1
         self._next = (self._next + 1) % self.num_slots
 
-    def synchronize(self) -> None:
+    def synchronize(self, teardown: bool = False) -> None:
         """Wait until the build of the record committed last (and a repeated build) has
-        finished."""
+        finished (``teardown``: no capture mode on the CPU)."""
         if self._repeat:
             self._repeat = False
             self.drain()
@@ -265,9 +265,10 @@ class StagingRing:
         """The done word: the SEQ of the record whose build finished last."""
         return self.fences.done_seq
 
-    def synchronize(self) -> None:
-        """Wait until no build reads any slot (before the records are freed)."""
-        self.fences.synchronize()
+    def synchronize(self, teardown: bool = False) -> None:
+        """Wait until no build reads any slot (before the records are freed); ``teardown``:
+        as ``zos._C.MappedRing.synchronize`` (a ``__del__``)."""
+        self.fences.synchronize(teardown)
 
     def seq_of(self, slot: int) -> int:
         """The SEQ word of slot ``slot``'s record."""

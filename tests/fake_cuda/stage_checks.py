@@ -296,7 +296,9 @@ def teardown_inside_own_capture():
     fault("fake_capturing", 1)  # the stage's stream is the capturing one
     fault("fake_own_capture", 1)
     calls = driver_calls()
-    del stage, p, ring  # the capture query only: no fence, no wait, the memory kept
+    ring.synchronize(teardown=True)  # the capture query only: no fence, no wait, memory kept
+    assert driver_calls() - calls == 1
+    del stage, p, ring  # nothing more: the kept memory is never freed
     assert driver_calls() - calls == 1 and count("fake_captures_broken") == broken + 1
 
 
