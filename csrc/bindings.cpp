@@ -597,7 +597,7 @@ Raises:
            "may run it inside this thread's own CUDA graph capture): in the relaxed capture "
            "mode; if a build may still read the records while the stage's stream is capturing "
            "(a fence recorded there would join the capture), no wait: the memory is kept "
-           "(never freed).")
+           "(not freed) unless a later teardown wait succeeds.")
       .def("array", [](py::object self) {
              auto& ring = self.cast<zos::MappedRing&>();
              return py::array_t<int32_t>({ring.num_slots(), ring.slot_words()},

@@ -375,10 +375,10 @@ void MappedRing::commit() {
 }
 
 void MappedRing::synchronize(bool teardown) {
-  if (keep_) return;
   if (teardown) {
     ContextScope scope(ctx_);
     CaptureModeScope mode(kCaptureRelaxed);  // the nested waits below keep it
+    keep_ = false;
     bool pending = fence_repeat_;
     if (!pending && commits_ > 0) {
       const int32_t newest = seq_of((next_ + num_slots_ - 1) % num_slots_);

@@ -97,8 +97,8 @@ class MappedRing {
   // (before the memory is freed); the same errors as acquire. teardown (the destructor, a
   // Python __del__ before the build events die): in the relaxed capture mode; and if a build
   // may still read the records while the stage's stream is capturing a graph (a fence
-  // recorded there would join the capture) or cannot be asked, no wait: the memory is kept
-  // (leaked) and later waits return at once.
+  // recorded there would join the capture) or cannot be asked, no wait, and the memory is
+  // kept (leaked) unless a later teardown wait succeeds.
   void synchronize(bool teardown = false);
   // Build ordering (docs/ZOS.md, "The runner contract"): when a wait falls back to its
   // fence, the stage's stream first waits for `built` (a CUevent recorded after each build
@@ -145,7 +145,7 @@ class MappedRing {
   int next_ = 0;
   int64_t commits_ = 0;
   bool fence_repeat_ = false;
-  bool keep_ = false;  // teardown could not wait: the memory is never freed
+  bool keep_ = false;  // the last teardown wait could not wait: the memory is not freed
   uint64_t last_stream_ = 0;
   int64_t waits_ = 0;
   void* built_ = nullptr;

@@ -349,13 +349,9 @@ class DeviceMetadataBackend(MetadataBackend):
         # No copy or build may read the pinned records once they are freed: wait while the
         # build events (which a ring's wait orders after builds on other streams) are alive.
         # teardown: the garbage collector may run this inside the thread's own graph capture,
-        # which a wait in the per-step mode would break. A build last captured has its event
-        # recorded in a capture, which no wait can follow: the ring's destructor waits then.
+        # which a wait in the per-step mode would break.
         order = getattr(self, "_order", None)
-        syncs = [getattr(self, "_upload", None)]
-        if order is None or not order.capturing:
-            syncs.append(getattr(self, "_ring", None))
-        for sync in syncs:
+        for sync in (getattr(self, "_upload", None), getattr(self, "_ring", None)):
             if sync is not None:
                 try:
                     sync.synchronize(teardown=True)

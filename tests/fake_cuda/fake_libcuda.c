@@ -73,7 +73,8 @@ CUresult cuEventSynchronize(void* ev) {
 }
 CUresult cuStreamWaitEvent(void* stream, void* ev, unsigned flags) { note_gil(); return 0; }
 CUresult cuMemHostAlloc(void** p, size_t bytes, unsigned flags) { *p = calloc(1, bytes); return 0; }
-CUresult cuMemFreeHost(void* p) { free(p); return 0; }
+long fake_host_frees = 0;
+CUresult cuMemFreeHost(void* p) { ++fake_host_frees; free(p); return 0; }
 CUresult cuMemHostGetDevicePointer_v2(uint64_t* d, void* p, unsigned flags) {
   *d = (uint64_t)p;
   return 0;

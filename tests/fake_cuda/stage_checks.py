@@ -285,9 +285,9 @@ def teardown_inside_own_capture():
     up.synchronize(teardown=True)
     del up  # waits for both fences
     assert driver_calls() - calls == 4
-    calls = driver_calls()
-    del stage, p, ring  # the capture query, the drain's record and wait
-    assert driver_calls() - calls == 3
+    calls, frees = driver_calls(), count("fake_host_frees")
+    del stage, p, ring  # the capture query, the drain's record and wait; then the free
+    assert driver_calls() - calls == 3 and count("fake_host_frees") == frees + 1
     assert count("fake_captures_broken") == broken + 1 and capture_mode_now() == 0
     fault("fake_own_capture", 0)
     ring, p = MappedRing(2, 256, 0), packer()
@@ -295,11 +295,12 @@ def teardown_inside_own_capture():
     stage(STEPS[0], 1, 70)  # not built yet
     fault("fake_capturing", 1)  # the stage's stream is the capturing one
     fault("fake_own_capture", 1)
-    calls = driver_calls()
-    ring.synchronize(teardown=True)  # the capture query only: no fence, no wait, memory kept
+    calls, frees = driver_calls(), count("fake_host_frees")
+    ring.synchronize(teardown=True)  # the capture query only: no fence, no wait
     assert driver_calls() - calls == 1
-    del stage, p, ring  # nothing more: the kept memory is never freed
-    assert driver_calls() - calls == 1 and count("fake_captures_broken") == broken + 1
+    del stage, p, ring  # asks again; still capturing: the memory is kept
+    assert driver_calls() - calls == 2 and count("fake_host_frees") == frees
+    assert count("fake_captures_broken") == broken + 1
 
 
 if __name__ == "__main__":
