@@ -524,7 +524,8 @@ Raises:
            "Wait until both buffers' copies are done (before freeing the pinned buffers).\n\n"
            "``teardown=True`` (a ``__del__``, which the garbage collector may run inside this "
            "thread's own CUDA graph capture): in the relaxed capture mode, so the driver "
-           "refuses nothing and that capture stays intact; otherwise the thread-local mode "
+           "allows the wait (the fences are recorded outside any capture) and that capture "
+           "stays intact; otherwise the thread-local mode "
            "(a capture of this thread's own refuses the wait).\n\n"
            "Raises RuntimeError if the driver reports an error.")
       .def("set_build_events", &zos::PinnedUpload::set_build_events, py::arg("built"),

@@ -139,8 +139,8 @@ class ContextScope {
 // events are never part of a capture: a stage refuses a capturing stream). PyTorch's NCCL
 // watchdog queries its events so (pytorch/pytorch#148594, #160398). Teardown (a destructor,
 // or Python's garbage collector, which runs on whatever thread allocates, possibly inside that
-// thread's own capture) uses the relaxed mode: the driver then refuses nothing and breaks no
-// capture, the calls touching only events recorded outside any capture. Nested scopes keep
+// thread's own capture) uses the relaxed mode, in which the driver allows a wait on an event
+// recorded outside any capture (zos's fences) on every thread and breaks no capture. Nested scopes keep
 // the outermost scope's mode (a teardown that waits through synchronize stays relaxed). A
 // failed exchange leaves the mode as it was. Not covered: construction (pinned allocation)
 // and the host-built backend's torch events.

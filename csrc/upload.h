@@ -33,8 +33,9 @@ class PinnedUpload {
   void submit(int k, int64_t nbytes, uint64_t stream);
   // Waits until both buffers' copies are done (before the pinned buffers are freed).
   // teardown: in the relaxed capture mode (a destructor or Python's garbage collector, which
-  // may run inside the calling thread's own graph capture): the driver refuses nothing and
-  // that capture stays intact. Otherwise the thread-local mode of every per-step call.
+  // may run inside the calling thread's own graph capture): the driver allows the wait (the
+  // fences are recorded outside any capture) and that capture stays intact. Otherwise the
+  // thread-local mode of every per-step call.
   void synchronize(bool teardown = false);
   // Pinned buffer k (0 or 1), as int32 words, and the bytes each buffer holds.
   int32_t* host_buffer(int k) const { return reinterpret_cast<int32_t*>(src_[k]); }
