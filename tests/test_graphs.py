@@ -5,10 +5,20 @@ graphs, and evicted sizes are captured again."""
 import dataclasses
 import gc
 import random
+import threading
+import weakref
 
 import pytest
 
-from zos.graphs import CAPTURE_FAILED, EVICTED, NOT_CAPTURED, OVER_BUDGET, CapturedGraph, GraphCache
+from zos.graphs import (
+    CAPTURE_FAILED,
+    EVICTED,
+    NOT_CAPTURED,
+    OVER_BUDGET,
+    CapturedGraph,
+    GraphCache,
+    collector_held,
+)
 from zos.serving.engine import Engine, EngineConfig, Request
 
 from helpers import DEVICE, LLAMA_BLOCK_SIZE, LLAMA_CFG
@@ -218,6 +228,71 @@ def test_random_sequences_match_reference(seed, budget):
 
 
 # ---- the runner and engine on any device ------------------------------------------------------
+
+class _Cycle:
+    """Cyclic garbage: freed only by a collection."""
+
+    def __init__(self):
+        self.me = self
+
+
+@pytest.fixture
+def collector_on():
+    """The collector enabled for the test, restored after."""
+    was = gc.isenabled()
+    gc.enable()
+    yield
+    (gc.enable if was else gc.disable)()
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_collector_held_restores_the_collectors_state(collector_on, enabled):
+    """Off inside the block, back to its state before after it, an exception included."""
+    (gc.enable if enabled else gc.disable)()
+    with pytest.raises(KeyError), collector_held():
+        assert not gc.isenabled()
+        raise KeyError("body")
+    assert gc.isenabled() is enabled
+
+
+def test_collector_held_stays_off_until_the_last_block_closes(collector_on):
+    """Blocks nested and in two threads, closed out of order: the collector stays off until
+    the last one closes, then is back on."""
+    opened, close = threading.Event(), threading.Event()
+    seen = []
+
+    def other():
+        with collector_held():
+            opened.set()
+            close.wait(10)
+            seen.append(gc.isenabled())
+
+    t = threading.Thread(target=other)
+    with collector_held():
+        t.start()
+        assert opened.wait(10)
+        with collector_held():
+            pass
+        assert not gc.isenabled()
+    assert not gc.isenabled()  # the other thread's block is open
+    close.set()
+    t.join(10)
+    assert seen == [False] and gc.isenabled()
+
+
+@pytest.mark.parametrize("collect", [True, False])
+def test_collector_held_collects_first_only_when_asked(collector_on, collect):
+    """collect=True frees cyclic garbage left before the block; inside it none is freed (an
+    automatic collection would need the collector on)."""
+    gc.collect()
+    before = weakref.ref(_Cycle())
+    with collector_held(collect=collect):
+        assert (before() is None) is collect
+        inside = [weakref.ref(_Cycle()) for _ in range(3 * gc.get_threshold()[0])]
+        assert all(r() is not None for r in inside)
+    gc.collect()
+    assert before() is None and all(r() is None for r in inside)
+
 
 def engine_cfg(**kw):
     base = dict(block_size=LLAMA_BLOCK_SIZE, num_kv_blocks=40, max_num_seqs=6, max_model_len=48,

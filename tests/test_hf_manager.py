@@ -8,12 +8,14 @@ Needs transformers 5.17.0 or 5.25.0 (the ``hf`` extra); skipped with another ver
 import zos._interpret  # noqa: F401  (before transformers imports triton)
 
 import contextlib
+import gc
+import weakref
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from zos import DecodeBuffers, DeviceMetadataBackend, PaddingProfile
+from zos import BucketTable, DecodeBuffers, DeviceMetadataBackend, PaddingProfile
 from zos.buckets import POLICIES
 
 from helpers import DEVICE, require_transformers
@@ -428,6 +430,105 @@ def test_varlen_graphs_replay_across_padded_past(graph_keys):
     assert not run, run
     for i, p in enumerate(inputs):
         assert got[f"r{i}"] == reference(model, p, 9), i
+
+
+def test_warmup_holds_the_garbage_collector_off(monkeypatch):
+    """A zos-enabled manager's ``warmup()``: transformers' warm-up and zos's both run with the
+    collector off (an automatic collection inside a capture that frees an earlier object's CUDA
+    graph breaks the capture; torch >= 2.9 no longer collects first), after one collection that
+    frees garbage left from before; the collector is back on after. A manager of a model zos
+    does not serve keeps transformers' warm-up as it is."""
+    from transformers.generation.continuous_batching.continuous_api import (
+        ContinuousBatchProcessor,
+    )
+
+    from zos.integrations import hf_manager
+
+    seen = []
+    monkeypatch.setattr(ContinuousBatchProcessor, "warmup",
+                        lambda bp, model: seen.append(("transformers", gc.isenabled())))
+    monkeypatch.setattr(hf_manager, "_warm_up_zos",
+                        lambda bp, model: seen.append(("zos", gc.isenabled())) or {})
+    was = gc.isenabled()
+    gc.enable()
+    try:
+        for zos in (True, False):
+            model = tiny_llama(5)
+            if zos:
+                enable_zos(model, ZosOptions(bucket_policy="vllm"))
+            try:
+                manager = model.init_continuous_batching(generation_config=gen_config(4),
+                                                         continuous_batching_config=cb_config())
+                left = weakref.ref(_Cycle())
+                seen.clear()
+                manager.warmup()
+                assert (left() is None) is zos  # collected first only by zos's warm-up
+                assert seen == ([("transformers", False), ("zos", False)] if zos
+                                else [("transformers", True)])
+                assert gc.isenabled()
+            finally:
+                disable_zos(model)
+    finally:
+        (gc.enable if was else gc.disable)()
+
+
+class _Cycle:
+    def __init__(self):
+        self.me = self
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs")
+@pytest.mark.parametrize("warm", ["warmup", "start"])
+def test_every_warmup_capture_runs_with_the_collector_off(monkeypatch, warm):
+    """On the GPU, every CUDA graph capture of a zos-enabled manager's warm-up (transformers'
+    and zos's, through ``warmup()``, or zos's alone when ``start()`` warms up a manager the
+    server started without one) begins with the collector off; cyclic garbage holding a
+    backend with prep graphs (a ``torch.cuda.CUDAGraph`` each) left from before is freed by
+    then, outside every capture; the collector is on again once serving, and the tokens are
+    generate()'s."""
+    captures = []
+    original = torch.cuda.CUDAGraph.capture_begin
+
+    def recording(graph, *args, **kwargs):
+        captures.append(gc.isenabled())
+        return original(graph, *args, **kwargs)
+
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "capture_begin", recording)
+    garbage = _Cycle()
+    garbage.backend = DeviceMetadataBackend(DecodeBuffers(8, 4, 4, device=DEVICE),
+                                            num_kv_blocks=64, vocab_size=97,
+                                            buckets=BucketTable([4, 8]), capture_prep=True)
+    assert garbage.backend.prep_graphs
+    left = weakref.ref(garbage.backend)
+    del garbage
+    model = tiny_llama(29)
+    inputs = prompts(29, (5, 11, 2, 17), model.config.vocab_size)
+    enable_zos(model, ZosOptions(bucket_policy="vllm"))
+    was = gc.isenabled()
+    gc.enable()
+    try:
+        manager = model.init_continuous_batching(
+            generation_config=gen_config(6),
+            continuous_batching_config=cb_config(use_cuda_graph=True, use_async_batching=True))
+        if warm == "warmup":
+            manager.warmup()
+        manager.start()
+        for i, p in enumerate(inputs):
+            manager.add_request(p, request_id=f"r{i}")
+        got = {}
+        while len(got) < len(inputs):
+            res = manager.get_result(timeout=120)
+            assert res is not None and res.error is None
+            if res.is_finished():
+                got[res.request_id] = res.generated_tokens
+        manager.stop(block=True)
+        assert gc.isenabled()
+    finally:
+        disable_zos(model)
+        (gc.enable if was else gc.disable)()
+    assert left() is None and captures and not any(captures), captures
+    for i, p in enumerate(inputs):
+        assert got[f"r{i}"] == reference(model, p, 6), i
 
 
 def test_cancelled_streams_leave_the_others_whole():

@@ -16,10 +16,12 @@ on first use (ggml-cuda.cu, ``ggml_cuda_graph``). The budget and LRU eviction ar
 from __future__ import annotations
 
 import gc
+import threading
 import time
 import warnings
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +35,49 @@ EVICTED = "evicted"
 OVER_BUDGET = "over budget"
 CAPTURE_FAILED = "capture failed"
 LOG_LIMIT = 4096  # GraphCache.log keeps the last this many events
+
+
+_held_lock = threading.Lock()
+_held_depth = 0  # collector_held blocks now open, in any thread
+_held_was_enabled = False  # the collector's state when the outermost block opened
+
+
+@contextmanager
+def collector_held(collect: bool = False) -> Iterator[None]:
+    """Python's garbage collector off for the block (restored after), for CUDA graph captures.
+
+    An automatic collection can run at any allocation of Python objects, so inside a capture it
+    may free cyclic garbage that holds a ``torch.cuda.CUDAGraph`` (a graph cache, a backend with
+    prep graphs, a manager); freeing a graph while a capture is open invalidates that capture
+    (torch refuses ``CUDAGraph::reset`` with "operation not permitted when stream is
+    capturing"). Since torch 2.9 ``torch.cuda.graph`` no longer collects before a capture
+    (pytorch/pytorch#158193; the fault it opened: pytorch/pytorch#161037,
+    NVIDIA/TransformerEngine#2092, whose fix likewise holds the collector off during captures).
+
+    Blocks may nest and may be open in several threads at once (the collector is process-wide):
+    the collector stays off until the last open block closes, then returns to the state it had
+    when the first one opened.
+
+    Args:
+        collect: run one full collection (``gc.collect()``) before turning the collector off,
+            so garbage left from before is freed outside any capture. It costs a walk over every
+            tracked object: for warm-ups, not for a capture in the middle of serving.
+    """
+    global _held_depth, _held_was_enabled
+    if collect:
+        gc.collect()
+    with _held_lock:
+        if _held_depth == 0:
+            _held_was_enabled = gc.isenabled()
+            gc.disable()
+        _held_depth += 1
+    try:
+        yield
+    finally:
+        with _held_lock:
+            _held_depth -= 1
+            if _held_depth == 0 and _held_was_enabled:
+                gc.enable()
 
 
 @dataclass(frozen=True)
@@ -251,11 +296,12 @@ class CudaGraphCapturer:
     cache cleared: each graph's workspace is allocated inside the capture, from this pool, and
     belongs to the graphs of this pool alone (the pool keeps it while one of them lives;
     replays are sequential, so graphs of one pool may share it); what a destroyed graph drops
-    is then never a workspace of a live graph. Python's garbage collector is paused during a
-    capture, so no graph is destroyed in the middle of one (an automatic collection can run at
-    any allocation of Python objects in ``body``). Captures run on a side stream from torch's
-    stream pool rather than torch's one default capture stream; the pool hands streams out
-    round-robin, so capturers may share one: the clearing, not the stream, is what protects.
+    is then never a workspace of a live graph. Python's garbage collector is held off during a
+    capture (:func:`collector_held`), so no graph is destroyed in the middle of one (an
+    automatic collection can run at any allocation of Python objects in ``body``). Captures run
+    on a side stream from torch's stream pool rather than torch's one default capture stream;
+    the pool hands streams out round-robin, so capturers may share one: the clearing, not the
+    stream, is what protects.
 
     Measured per capture, after ``torch.cuda.empty_cache()`` and a device synchronize:
     ``pool_bytes``, the growth of ``torch.cuda.memory_reserved()`` (only the pool allocates during
@@ -281,18 +327,13 @@ class CudaGraphCapturer:
         free0, res0 = torch.cuda.mem_get_info()[0], torch.cuda.memory_reserved()
         t0 = time.perf_counter()
         graph = torch.cuda.CUDAGraph()
-        gc_was_enabled = gc.isenabled()
-        gc.disable()
-        try:
-            torch._C._cuda_clearCublasWorkspaces()
-            with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
-                self.body(size)
-        finally:
+        with collector_held():
             try:
                 torch._C._cuda_clearCublasWorkspaces()
+                with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
+                    self.body(size)
             finally:
-                if gc_was_enabled:
-                    gc.enable()
+                torch._C._cuda_clearCublasWorkspaces()
         torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
         pool = torch.cuda.memory_reserved() - res0

@@ -17,7 +17,8 @@ the zeroed KV cache below).
   builds no mask for that name), never flash; with torch.compile configs on ``paged|sdpa``
   (``sdpa``), transformers' own;
 * ``warmup``: transformers' warm-up, then zos's (:func:`_warm_up_zos`, the allocator's cache
-  kept between its captures): one batch per graph
+  kept between its captures), both with the garbage collector held off
+  (:func:`zos.graphs.collector_held`): one batch per graph
   key of zos's (a decode batch per key of :func:`zos_warmup_counts`, once for both IO pairs; a
   prefill step per padded query size of :func:`varlen_warmup_counts`, per IO pair): every graph
   of a zos-served run is captured there, none during a user's requests (transformers' own
@@ -26,8 +27,8 @@ the zeroed KV cache below).
 * ``start``: a manager with graphs whose batch processor zos serves and that was not
   warmed up (or whose processor is new) runs zos's warm-up first (transformers' server starts
   its manager without a warm-up; zos serve at start-up), leaving the random number generators
-  as they were; a failed warm-up is recorded as the manager's fatal error (the server then
-  answers 503) and raised;
+  as they were, the collector held off; a failed warm-up is recorded as the manager's fatal
+  error (the server then answers 503) and raised;
 * ``add_request``: per-request sampling options that would put NaN, inf or an index out of
   range into the sampler are refused (:func:`check_request_options`).
 """
@@ -44,6 +45,7 @@ from dataclasses import dataclass
 
 import torch
 
+from zos.graphs import collector_held
 from zos.integrations.hf_capacity import fail_unschedulable, refuse_oversized
 from zos.integrations.hf_internals import internals
 from zos.integrations.hf_ios import zos_ios_classes
@@ -523,9 +525,14 @@ def install_manager_hook() -> None:
     def warmup(self):
         """transformers' warm-up, then zos's (:func:`_warm_up_zos`, its report in
         ``self.zos_warmup``). transformers' samples and is not undone: a seeded run draws
-        what transformers' own run draws after it."""
-        original_warmup(self)
-        if zos_on(self.model):
+        what transformers' own run draws after it. For a zos-enabled model both run with the
+        garbage collector held off after one collection (:func:`zos.graphs.collector_held`:
+        torch's captures no longer collect first, and an automatic collection inside one that
+        frees an earlier object's CUDA graph breaks it)."""
+        if not zos_on(self.model):
+            return original_warmup(self)
+        with collector_held(collect=True):
+            original_warmup(self)
             self.zos_warmup = _warm_up_zos(self.batch_processor, self.model)
 
     def start(self):
@@ -537,7 +544,8 @@ def install_manager_hook() -> None:
             if self.batch_processor.inputs_and_outputs.zos is not None and (
                     fresh or not self.warmed_up):
                 try:  # zos's alone: every graph such a run replays is one of zos's keys
-                    with torch.random.fork_rng(devices=[self.model.device]):  # tf runs none
+                    with (torch.random.fork_rng(devices=[self.model.device]),  # tf runs none
+                          collector_held(collect=True)):
                         self.zos_warmup = _warm_up_zos(self.batch_processor, self.model)
                     self.warmed_up = True
                 except Exception as e:  # the server must see a dead manager, not a silent one
