@@ -38,12 +38,17 @@ if [ "${SUITE:-1}" = 1 ]; then
   # ONE process, as a server is one: what one test leaves behind must not break a later one
   # (2026-12-05 on the H200: 2223 passed, 22 skipped in 409 s; 2026-12-05 on an H100: no
   # failure in the first ~1,700 tests, cut at 530 s). Stopped at the limit with SIGINT, pytest
-  # still prints its counts, the test it was in and the slowest tests.
+  # still prints its counts and the slowest tests; -v names every test in the log, and a test
+  # still running after 120 s has every thread's stack dumped there (faulthandler_timeout:
+  # 2026-12-07, one run on an H100 sat ~200 s in a wait in selectors.select near the 1,350th
+  # test and -q named no test).
   stamp "test suite on CUDA, one process (test_distributed.py needs 2 GPUs: left out)"
-  timeout -s INT -k 20 "${SUITE_TIMEOUT:-540}" python3 -m pytest -q -p no:cacheprovider \
-    --durations=40 --ignore=tests/test_distributed.py tests > "$OUT/tests.log" 2>&1
-  echo "tests rc=$?"; grep -E "passed|failed|^FAILED|^ERROR|KeyboardInterrupt" "$OUT/tests.log" \
-    | tail -12
+  timeout -s INT -k 20 "${SUITE_TIMEOUT:-540}" python3 -m pytest -v -rfE -p no:cacheprovider \
+    -o faulthandler_timeout=120 --durations=40 --ignore=tests/test_distributed.py tests \
+    > "$OUT/tests.log" 2>&1
+  echo "tests rc=$?"; grep -E "^(FAILED|ERROR) |^Timeout|KeyboardInterrupt|[0-9]+ (passed|failed)" \
+    "$OUT/tests.log" | tail -12
+  grep -E " (PASSED|FAILED|ERROR|SKIPPED)" "$OUT/tests.log" | tail -1  # the last test run
   { date -u +%F; tail -1 "$OUT/tests.log"; } > "$OUT/summary.txt"
 fi
 

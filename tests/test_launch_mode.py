@@ -139,7 +139,8 @@ def test_all_kernels_share_one_mode():
 
 
 IMPORT_PROBE = r"""
-import ast, importlib, json, os, sys
+import ast, faulthandler, importlib, json, os, sys
+faulthandler.dump_traceback_later(240, exit=True)  # a hung import: its stack, not a silent wait
 import torch
 import zos._interpret
 sys.path[:0] = [sys.argv[1], sys.argv[2]]
@@ -188,7 +189,7 @@ def test_no_bench_or_test_module_changes_the_environment_on_import():
     assert len(mods) > 30
     out = subprocess.run([sys.executable, "-c", IMPORT_PROBE, str(ROOT / "bench"),
                           str(ROOT / "tests"), *mods], capture_output=True, text=True,
-                         timeout=600, cwd=ROOT)
+                         timeout=300, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     assert json.loads(out.stdout.strip().splitlines()[-1]) == {}
 
