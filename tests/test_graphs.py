@@ -294,6 +294,18 @@ def test_collector_held_collects_first_only_when_asked(collector_on, collect):
     assert before() is None and all(r() is None for r in inside)
 
 
+def test_collector_held_collects_nothing_while_another_block_is_open(collector_on):
+    """collect=True while a block is open (in another thread it may be around a capture, which
+    a collection would break): no collection; the collector stays off."""
+    gc.collect()
+    with collector_held():
+        left = weakref.ref(_Cycle())
+        with collector_held(collect=True):
+            assert left() is not None and not gc.isenabled()
+    gc.collect()
+    assert left() is None
+
+
 def engine_cfg(**kw):
     base = dict(block_size=LLAMA_BLOCK_SIZE, num_kv_blocks=40, max_num_seqs=6, max_model_len=48,
                 max_prefill_tokens=64, eos_token_id=None, buckets=[1, 2, 3, 4, 6])

@@ -190,7 +190,7 @@ def test_no_bench_or_test_module_changes_the_environment_on_import():
     out = subprocess.run([sys.executable, "-c", IMPORT_PROBE, str(ROOT / "bench"),
                           str(ROOT / "tests"), *mods], capture_output=True, text=True,
                          timeout=300, cwd=ROOT)
-    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.returncode == 0, out.stderr[-8000:]
     assert json.loads(out.stdout.strip().splitlines()[-1]) == {}
 
 

@@ -20,8 +20,7 @@ import threading
 import time
 import warnings
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,14 +36,14 @@ CAPTURE_FAILED = "capture failed"
 LOG_LIMIT = 4096  # GraphCache.log keeps the last this many events
 
 
-_held_lock = threading.Lock()
+_held_lock = threading.RLock()  # reentrant: a finalizer run by the collection may open a block
 _held_depth = 0  # collector_held blocks now open, in any thread
 _held_was_enabled = False  # the collector's state when the outermost block opened
 
 
-@contextmanager
-def collector_held(collect: bool = False) -> Iterator[None]:
-    """Python's garbage collector off for the block (restored after), for CUDA graph captures.
+class collector_held:
+    """Python's garbage collector off for a ``with`` block (restored after), for CUDA graph
+    captures.
 
     An automatic collection can run at any allocation of Python objects, so inside a capture it
     may free cyclic garbage that holds a ``torch.cuda.CUDAGraph`` (a graph cache, a backend with
@@ -56,24 +55,33 @@ def collector_held(collect: bool = False) -> Iterator[None]:
 
     Blocks may nest and may be open in several threads at once (the collector is process-wide):
     the collector stays off until the last open block closes, then returns to the state it had
-    when the first one opened.
+    when the first one opened. What the block's own code does to the collector is its own: a
+    ``gc.enable()`` inside turns the hold off, a ``gc.disable()`` inside is undone at the end.
+    An explicit ``gc.collect()`` (transformers' manager calls one when it stops) is not held off.
 
     Args:
-        collect: run one full collection (``gc.collect()``) before turning the collector off,
-            so garbage left from before is freed outside any capture. It costs a walk over every
-            tracked object: for warm-ups, not for a capture in the middle of serving.
+        collect: run one full collection (``gc.collect()``) before turning the collector off, so
+            garbage left from before is freed outside any capture; only when no block is open
+            (in another thread one may be around a capture, which that collection would break).
+            It costs a walk over every tracked object: for warm-ups, not for a capture in the
+            middle of serving.
     """
-    global _held_depth, _held_was_enabled
-    if collect:
-        gc.collect()
-    with _held_lock:
-        if _held_depth == 0:
-            _held_was_enabled = gc.isenabled()
-            gc.disable()
-        _held_depth += 1
-    try:
-        yield
-    finally:
+
+    def __init__(self, collect: bool = False) -> None:
+        self.collect = collect
+
+    def __enter__(self) -> None:
+        global _held_depth, _held_was_enabled
+        with _held_lock:
+            if _held_depth == 0:
+                if self.collect:
+                    gc.collect()
+                _held_was_enabled = gc.isenabled()
+                gc.disable()
+            _held_depth += 1
+
+    def __exit__(self, *exc) -> None:
+        global _held_depth
         with _held_lock:
             _held_depth -= 1
             if _held_depth == 0 and _held_was_enabled:
