@@ -305,7 +305,7 @@ class CudaGraphCapturer:
     belongs to the graphs of this pool alone (the pool keeps it while one of them lives;
     replays are sequential, so graphs of one pool may share it); what a destroyed graph drops
     is then never a workspace of a live graph. Python's garbage collector is held off during a
-    capture (:func:`collector_held`), so no graph is destroyed in the middle of one (an
+    capture (:class:`collector_held`), so no graph is destroyed in the middle of one (an
     automatic collection can run at any allocation of Python objects in ``body``). Captures run
     on a side stream from torch's stream pool rather than torch's one default capture stream;
     the pool hands streams out round-robin, so capturers may share one: the clearing, not the

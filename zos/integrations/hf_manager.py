@@ -18,7 +18,7 @@ the zeroed KV cache below).
   (``sdpa``), transformers' own;
 * ``warmup``: transformers' warm-up, then zos's (:func:`_warm_up_zos`, the allocator's cache
   kept between its captures), both with the garbage collector held off
-  (:func:`zos.graphs.collector_held`): one batch per graph
+  (:class:`zos.graphs.collector_held`): one batch per graph
   key of zos's (a decode batch per key of :func:`zos_warmup_counts`, once for both IO pairs; a
   prefill step per padded query size of :func:`varlen_warmup_counts`, per IO pair): every graph
   of a zos-served run is captured there, none during a user's requests (transformers' own
@@ -526,7 +526,7 @@ def install_manager_hook() -> None:
         """transformers' warm-up, then zos's (:func:`_warm_up_zos`, its report in
         ``self.zos_warmup``). transformers' samples and is not undone: a seeded run draws
         what transformers' own run draws after it. For a zos-enabled model both run with the
-        garbage collector held off after one collection (:func:`zos.graphs.collector_held`:
+        garbage collector held off after one collection (:class:`zos.graphs.collector_held`:
         torch's captures no longer collect first, and an automatic collection inside one that
         frees an earlier object's CUDA graph breaks it)."""
         if not zos_on(self.model):
