@@ -2,6 +2,7 @@
 CUDA driver (tests/fake_cuda/fake_libcuda.c) as libcuda.so.1: ``python stage_checks.py NAME...``
 prints one JSON object, each name -> "ok" or the failure's traceback."""
 import ctypes
+import faulthandler
 import json
 import sys
 import traceback
@@ -304,6 +305,7 @@ def teardown_inside_own_capture():
 
 
 if __name__ == "__main__":
+    faulthandler.dump_traceback_later(120, exit=True)  # a hang: its stack to the test's stderr
     assert hasattr(FAKE, "fake_launches"), "libcuda.so.1 is not the fake driver"
     results = {}
     for name in sys.argv[1:]:
