@@ -10,6 +10,7 @@ draws fresh examples on every run (and keeps failures in .hypothesis/).
 """
 import zos._interpret  # noqa: F401  (before anything imports triton)
 
+import gc
 import os
 
 import pytest
@@ -34,3 +35,12 @@ def llama():
     """The small random Llama of helpers.LLAMA_CFG (seed 0), shared by the engine and runner
     tests; nothing in them changes its weights."""
     return random_llama(LLAMA_CFG, seed=0, device=DEVICE)
+
+
+@pytest.fixture
+def collector_on():
+    """Python's garbage collector enabled for the test, its state restored after."""
+    was = gc.isenabled()
+    gc.enable()
+    yield
+    (gc.enable if was else gc.disable)()

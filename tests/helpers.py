@@ -263,6 +263,13 @@ def expected(rows, padded_reqs, *, block_size, max_blocks, pad_token_id=0, seq_l
                 counts=np.array([n, n], np.int32))
 
 
+class Cycle:
+    """Cyclic garbage once dropped: freed only by a collection."""
+
+    def __init__(self):
+        self.me = self
+
+
 def require_transformers(versions: tuple = ("5.17.0", "5.25.0")):
     """transformers, imported; skips the calling test module unless it is one of ``versions``
     (those zos.integrations.transformers has adapters for) or is not installed (the ``hf``

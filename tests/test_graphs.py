@@ -21,7 +21,7 @@ from zos.graphs import (
 )
 from zos.serving.engine import Engine, EngineConfig, Request
 
-from helpers import DEVICE, LLAMA_BLOCK_SIZE, LLAMA_CFG
+from helpers import DEVICE, LLAMA_BLOCK_SIZE, LLAMA_CFG, Cycle
 
 
 class FakeCapture:
@@ -229,22 +229,6 @@ def test_random_sequences_match_reference(seed, budget):
 
 # ---- the runner and engine on any device ------------------------------------------------------
 
-class _Cycle:
-    """Cyclic garbage: freed only by a collection."""
-
-    def __init__(self):
-        self.me = self
-
-
-@pytest.fixture
-def collector_on():
-    """The collector enabled for the test, restored after."""
-    was = gc.isenabled()
-    gc.enable()
-    yield
-    (gc.enable if was else gc.disable)()
-
-
 @pytest.mark.parametrize("enabled", [True, False])
 def test_collector_held_restores_the_collectors_state(collector_on, enabled):
     """Off inside the block, back to its state before after it, an exception included."""
@@ -285,10 +269,10 @@ def test_collector_held_collects_first_only_when_asked(collector_on, collect):
     """collect=True frees cyclic garbage left before the block; inside it none is freed (an
     automatic collection would need the collector on)."""
     gc.collect()
-    before = weakref.ref(_Cycle())
+    before = weakref.ref(Cycle())
     with collector_held(collect=collect):
         assert (before() is None) is collect
-        inside = [weakref.ref(_Cycle()) for _ in range(3 * gc.get_threshold()[0])]
+        inside = [weakref.ref(Cycle()) for _ in range(3 * gc.get_threshold()[0])]
         assert all(r() is not None for r in inside)
     gc.collect()
     assert before() is None and all(r() is None for r in inside)
@@ -299,7 +283,7 @@ def test_collector_held_collects_nothing_while_another_block_is_open(collector_o
     a collection would break): no collection; the collector stays off."""
     gc.collect()
     with collector_held():
-        left = weakref.ref(_Cycle())
+        left = weakref.ref(Cycle())
         with collector_held(collect=True):
             assert left() is not None and not gc.isenabled()
     gc.collect()

@@ -18,7 +18,7 @@ import torch
 from zos import BucketTable, DecodeBuffers, DeviceMetadataBackend, PaddingProfile
 from zos.buckets import POLICIES
 
-from helpers import DEVICE, require_transformers
+from helpers import DEVICE, Cycle, require_transformers
 
 require_transformers()  # before the transformers imports below
 
@@ -432,7 +432,7 @@ def test_varlen_graphs_replay_across_padded_past(graph_keys):
         assert got[f"r{i}"] == reference(model, p, 9), i
 
 
-def test_warmup_holds_the_garbage_collector_off(monkeypatch):
+def test_warmup_holds_the_garbage_collector_off(monkeypatch, collector_on):
     """A zos-enabled manager's ``warmup()``: transformers' warm-up and zos's both run with the
     collector off (an automatic collection inside a capture that frees an earlier object's CUDA
     graph breaks the capture; torch >= 2.9 no longer collects first), after one collection that
@@ -449,38 +449,28 @@ def test_warmup_holds_the_garbage_collector_off(monkeypatch):
                         lambda bp, model: seen.append(("transformers", gc.isenabled())))
     monkeypatch.setattr(hf_manager, "_warm_up_zos",
                         lambda bp, model: seen.append(("zos", gc.isenabled())) or {})
-    was = gc.isenabled()
-    gc.enable()
-    try:
-        for zos in (True, False):
-            model = tiny_llama(5)
-            if zos:
-                enable_zos(model, ZosOptions(bucket_policy="vllm"))
-            try:
-                manager = model.init_continuous_batching(generation_config=gen_config(4),
-                                                         continuous_batching_config=cb_config())
-                gc.collect()  # no automatic collection comes due in what follows
-                left = weakref.ref(_Cycle())
-                seen.clear()
-                manager.warmup()
-                assert (left() is None) is zos  # collected first only by zos's warm-up
-                assert seen == ([("transformers", False), ("zos", False)] if zos
-                                else [("transformers", True)])
-                assert gc.isenabled()
-            finally:
-                disable_zos(model)
-    finally:
-        (gc.enable if was else gc.disable)()
-
-
-class _Cycle:
-    def __init__(self):
-        self.me = self
+    for served in (True, False):
+        model = tiny_llama(5)
+        if served:
+            enable_zos(model, ZosOptions(bucket_policy="vllm"))
+        try:
+            manager = model.init_continuous_batching(generation_config=gen_config(4),
+                                                     continuous_batching_config=cb_config())
+            gc.collect()  # no automatic collection comes due in what follows
+            left = weakref.ref(Cycle())
+            seen.clear()
+            manager.warmup()
+            assert (left() is None) is served  # collected first only by zos's warm-up
+            assert seen == ([("transformers", False), ("zos", False)] if served
+                            else [("transformers", True)])
+            assert gc.isenabled()
+        finally:
+            disable_zos(model)
 
 
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs")
 @pytest.mark.parametrize("warm", ["warmup", "start"])
-def test_every_warmup_capture_runs_with_the_collector_off(monkeypatch, warm):
+def test_every_warmup_capture_runs_with_the_collector_off(monkeypatch, collector_on, warm):
     """On the GPU, every CUDA graph capture of a zos-enabled manager's warm-up (transformers'
     and zos's, through ``warmup()``, or zos's alone when ``start()`` warms up a manager the
     server started without one) begins with the collector off, cyclic garbage holding a
@@ -495,7 +485,7 @@ def test_every_warmup_capture_runs_with_the_collector_off(monkeypatch, warm):
         return original(graph, *args, **kwargs)
 
     monkeypatch.setattr(torch.cuda.CUDAGraph, "capture_begin", recording)
-    garbage = _Cycle()
+    garbage = Cycle()
     garbage.backend = DeviceMetadataBackend(DecodeBuffers(8, 4, 4, device=DEVICE),
                                             num_kv_blocks=64, vocab_size=97,
                                             buckets=BucketTable([4, 8]), capture_prep=True)
@@ -505,8 +495,7 @@ def test_every_warmup_capture_runs_with_the_collector_off(monkeypatch, warm):
     model = tiny_llama(29)
     inputs = prompts(29, (5, 11, 2, 17), model.config.vocab_size)
     enable_zos(model, ZosOptions(bucket_policy="vllm"))
-    was, manager = gc.isenabled(), None
-    gc.enable()
+    manager = None
     try:
         manager = model.init_continuous_batching(
             generation_config=gen_config(6),
@@ -527,7 +516,6 @@ def test_every_warmup_capture_runs_with_the_collector_off(monkeypatch, warm):
         if manager is not None:  # a failed test leaves no manager running for the next
             manager.stop(block=True)
         disable_zos(model)
-        (gc.enable if was else gc.disable)()
     assert captures and not any(captures), captures
     for i, p in enumerate(inputs):
         assert got[f"r{i}"] == reference(model, p, 6), i
