@@ -303,6 +303,8 @@ int32_t MappedRing::seq_of(int64_t slot) const {
   return host_[slot * slot_words_ + staging::kSeq];
 }
 
+int32_t MappedRing::newest_seq() const { return seq_of((next_ + num_slots_ - 1) % num_slots_); }
+
 bool MappedRing::applied(int32_t seq, int32_t newest) const {
   // The done word lies in [seq, newest] (mod kSeqMask + 1) once seq's build has finished:
   // builds apply records in SEQ order, and none is ahead of the record committed last.
@@ -348,7 +350,7 @@ void MappedRing::drain(uint64_t stream) {
 bool MappedRing::ready() const {
   if (fence_repeat_) return false;
   if (commits_ < num_slots_) return true;
-  return applied(seq_of(next_), seq_of((next_ + num_slots_ - 1) % num_slots_));
+  return applied(seq_of(next_), newest_seq());
 }
 
 int MappedRing::acquire(uint64_t stream) {
@@ -356,7 +358,7 @@ int MappedRing::acquire(uint64_t stream) {
   if (fence_repeat_) drain(stream);  // a repeated build may still read any slot it applied
   if (commits_ >= num_slots_) {  // slot next_ holds a record: wait for its build to finish
     const int32_t seq = seq_of(next_);
-    const int32_t newest = seq_of((next_ + num_slots_ - 1) % num_slots_);
+    const int32_t newest = newest_seq();
     if (!applied(seq, newest)) {
       ++waits_;
       wait_applied(seq, newest, stream);
@@ -379,11 +381,7 @@ void MappedRing::synchronize(bool teardown) {
     ContextScope scope(ctx_);
     CaptureModeScope mode(kCaptureRelaxed);  // the nested waits below keep it
     keep_ = false;
-    bool pending = fence_repeat_;
-    if (!pending && commits_ > 0) {
-      const int32_t newest = seq_of((next_ + num_slots_ - 1) % num_slots_);
-      pending = !applied(newest, newest);
-    }
+    const bool pending = fence_repeat_ || (commits_ > 0 && !applied(newest_seq(), newest_seq()));
     if (!pending) return;
     int status = 0;
     if (driver().stream_is_capturing(reinterpret_cast<void*>(last_stream_), &status) != 0 ||
@@ -396,7 +394,7 @@ void MappedRing::synchronize(bool teardown) {
   }
   if (fence_repeat_) drain(last_stream_);
   if (commits_ == 0) return;
-  const int32_t newest = seq_of((next_ + num_slots_ - 1) % num_slots_);
+  const int32_t newest = newest_seq();
   if (!applied(newest, newest)) wait_applied(newest, newest, last_stream_);
 }
 

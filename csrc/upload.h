@@ -126,6 +126,7 @@ class MappedRing {
   }
   int32_t* done_word() const { return host_ + done_offset(); }
   int32_t seq_of(int64_t slot) const;
+  int32_t newest_seq() const;  // the SEQ of the newest committed record
   // Whether the build of the record with SEQ `seq` has finished, given that `newest` is the
   // SEQ of the record committed last (records are applied in SEQ order).
   bool applied(int32_t seq, int32_t newest) const;
