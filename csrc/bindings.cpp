@@ -342,6 +342,22 @@ PYBIND11_MODULE(_C, m) {
   m.doc() = "zos native core: request remap and the packing of a decode step's staging record.";
   register_vllm_mirror(m);
 
+  m.def(
+      "call_with_relaxed_capture_mode",
+      [](const py::function& fn) { zos::call_with_relaxed_capture_mode([&fn] { fn(); }); },
+      py::arg("fn"),
+      R"doc(Call ``fn()`` with this thread's stream-capture mode relaxed
+(``cuThreadExchangeStreamCaptureMode``), then restore the mode, also when ``fn`` raises.
+
+A call that CUDA refuses while a graph capture is open in the global mode (torch's default)
+or in this thread's thread-local mode, such as a CUDA graph's destruction
+(``cudaGraphExecDestroy``: torch's ``CUDAGraph.reset``), then runs and leaves that capture
+intact; :class:`zos.graphs.CaptureSafeGraph` resets itself so when it is freed. Without a
+loadable CUDA driver ``fn`` just runs.
+
+Raises:
+    whatever ``fn`` raises.)doc");
+
   m.def("launch_graph", &zos::launch_graph, py::arg("graph_exec"), py::arg("stream"),
         py::arg("device"),
         R"doc(Launch an instantiated CUDA graph on a stream (``cuGraphLaunch``), in the device's

@@ -423,6 +423,18 @@ void launch_graph(uint64_t graph_exec, uint64_t stream, int64_t device) {
         "cuGraphLaunch");
 }
 
+void call_with_relaxed_capture_mode(const std::function<void()>& fn) {
+  bool loaded = true;
+  try {
+    driver();
+  } catch (const std::runtime_error&) {  // no driver: no capture to keep intact
+    loaded = false;
+  }
+  if (!loaded) return fn();
+  CaptureModeScope mode(kCaptureRelaxed);
+  fn();
+}
+
 bool stream_capturing(uint64_t stream, int64_t device) {
   if (stream == 0) return false;  // the legacy default stream cannot be captured
   ContextScope scope(primary_context(device, "stream_capturing"));

@@ -6,6 +6,7 @@
 // buffer that an enqueued copy has not read yet (docs/ZOS.md, "Kernels inside the graph").
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 namespace zos {
@@ -160,6 +161,13 @@ class MappedRing {
 // which a graph that draws no random numbers does not need. Throws std::invalid_argument for
 // a negative device, std::runtime_error if the driver fails (e.g. the stream is capturing).
 void launch_graph(uint64_t graph_exec, uint64_t stream, int64_t device);
+
+// Runs fn with this thread's stream-capture mode relaxed (cuThreadExchangeStreamCaptureMode),
+// then restores the mode, fn throwing or not: a call CUDA refuses while a capture is open in
+// the global or this thread's thread-local mode (a graph's destruction: cudaGraphExecDestroy)
+// runs and leaves that capture intact. If the driver cannot be loaded or refuses the
+// exchange, fn runs in the mode as it is.
+void call_with_relaxed_capture_mode(const std::function<void()>& fn);
 
 // Whether `stream` (a CUstream of `device`) is capturing a CUDA graph (or holds a capture
 // that was invalidated and not ended): a graph launched on it would be refused. The legacy

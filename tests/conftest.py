@@ -44,3 +44,15 @@ def collector_on():
     gc.enable()
     yield
     (gc.enable if was else gc.disable)()
+
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """With ``-v``, a failure's report is printed as it happens, not only in the summary: the
+    CUDA suite runs for minutes in one process (bench/gpu_check.sh), and a later abort or
+    time limit would lose the summary, and with it the first failure's cause."""
+    report = (yield).get_result()
+    if report.failed and item.config.getoption("verbose") > 0:
+        print(f"\n---- {report.nodeid} ({report.when}) failed:\n{report.longreprtext}\n",
+              flush=True)

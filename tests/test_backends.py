@@ -712,6 +712,32 @@ def test_build_of_a_backend_with_prep_graphs_is_capturable(staging):
         _same_fields_then_sample(i, want, got, rng, step.num_reqs, host, dev)
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="stream capture needs a GPU")
+@pytest.mark.parametrize("staging", ["mapped", "copy"])
+def test_a_backend_collected_inside_a_runners_capture_leaves_it_intact(staging, collector_on):
+    """A backend with prep graphs, staged and built, then dropped as cyclic garbage, is freed by
+    a collection inside a runner's ``torch.cuda.graph`` capture (torch >= 2.9 does not collect
+    before one; an automatic collection may run at any allocation): its graphs and its
+    teardown leave that capture intact, and the runner's graph replays right (a graph freed
+    the plain way breaks the capture: pytorch/pytorch#161037)."""
+    wl, dev, _ = _prep_graph_backends(staging, seed=3, rows=64)
+    dev.stage(wl.next_step())
+    dev.build(64)
+    freed = weakref.ref(dev)
+    dev.me = dev  # a reference cycle: only a collection frees it
+    gc.disable()
+    del dev
+    x = torch.arange(8, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        x.mul_(3)
+        gc.collect()
+    assert freed() is None
+    graph.replay()
+    graph.replay()
+    assert x.tolist() == [9 * i for i in range(8)]
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="prep graphs need a GPU")
 @pytest.mark.parametrize("staging", ["mapped", "copy"])
 def test_prepare_launches_the_prep_graph_from_the_stage_call(staging, monkeypatch):

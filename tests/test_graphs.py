@@ -9,6 +9,7 @@ import threading
 import weakref
 
 import pytest
+import torch
 
 from zos.graphs import (
     CAPTURE_FAILED,
@@ -16,6 +17,7 @@ from zos.graphs import (
     NOT_CAPTURED,
     OVER_BUDGET,
     CapturedGraph,
+    CudaGraphCapturer,
     GraphCache,
     collector_held,
 )
@@ -499,3 +501,26 @@ def test_graphs_outlive_other_runners_graphs(llama):
     assert not engines and lazy.runner.cache.failures == {}
     check_against_reference(lazy, 1000, 2000)  # every lazy capture happened, evictions too
     assert drive(Engine(llama, engine_cfg(), DEVICE)) == want  # after all of them
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU")
+def test_a_zos_graph_freed_inside_a_capture_leaves_it_intact(collector_on):
+    """A graph zos captured, left in cyclic garbage, is freed by a collection inside a
+    runner's ``torch.cuda.graph`` capture (torch >= 2.9 does not collect before one): that
+    capture stays intact and its graph replays right (a plain ``torch.cuda.CUDAGraph`` freed
+    there breaks it: pytorch/pytorch#161037)."""
+    y = torch.zeros(4, device="cuda")
+    garbage = Cycle()
+    garbage.graph = CudaGraphCapturer(lambda n: y[:n].add_(1))(4).graph
+    freed = weakref.ref(garbage.graph)
+    gc.disable()
+    del garbage
+    x = torch.arange(8, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        x.mul_(3)
+        gc.collect()
+    assert freed() is None
+    graph.replay()
+    graph.replay()
+    assert x.tolist() == [9 * i for i in range(8)] and y.tolist() == [0] * 4

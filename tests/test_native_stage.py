@@ -20,7 +20,7 @@ SCENARIOS = ["ring_records_and_launches", "unbuilt_slot_resets_the_packer",
              "launch_error_resets_the_packer_and_keeps_the_slot", "packer_error_changes_nothing",
              "upload_records_copies_and_errors", "arguments_are_checked_first",
              "gil_released_only_around_a_wait", "event_calls_leave_another_threads_capture_alone",
-             "teardown_inside_own_capture"]
+             "teardown_inside_own_capture", "relaxed_call_inside_own_capture"]
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,7 @@ graph-memory budget with least-recently-used eviction.
 
 ``GraphCache`` is the bookkeeping (which sizes hold a graph, what they cost, which to evict); it
 calls a capture function and never touches CUDA itself, so it is tested on a CPU with a fake one.
-``CudaGraphCapturer`` is the CUDA capture function: one ``torch.cuda.CUDAGraph`` per size, all in
+``CudaGraphCapturer`` is the CUDA capture function: one ``CaptureSafeGraph`` per size, all in
 one shared memory pool, with capture time and memory measured. ``warm_up`` runs a body once per
 size before capture; ``capture_per_bucket`` is warm-up plus capture of every size (the prep-only
 backend uses it).
@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from zos._C import call_with_relaxed_capture_mode
 from zos._checks import check_int
 
 # Why a bucketed step has no graph (GraphCache.reason).
@@ -86,6 +87,30 @@ class collector_held:
             _held_depth -= 1
             if _held_depth == 0 and _held_was_enabled:
                 gc.enable()
+
+
+class CaptureSafeGraph(torch.cuda.CUDAGraph):
+    """A ``torch.cuda.CUDAGraph`` whose release never breaks a capture in progress.
+
+    Python's garbage collector may free a graph in reference-cycle garbage at any allocation of
+    Python objects, also inside a capture that a runner opens with ``torch.cuda.graph`` (which,
+    since torch 2.9, no longer collects first: pytorch/pytorch#158193). torch's destructor
+    (``CUDAGraph::reset``: ``cudaGraphExecDestroy``) is then refused ("operation not permitted
+    when stream is capturing"), and the refusal invalidates that capture
+    (pytorch/pytorch#161037). ``collector_held`` keeps zos's own captures free of collections;
+    this keeps zos's graphs from breaking anyone's: when freed, the graph resets itself with the
+    thread's capture mode relaxed (``zos._C.call_with_relaxed_capture_mode``), which the driver
+    allows inside a capture without invalidating it. Every graph zos captures is one
+    (``CudaGraphCapturer``). Not covered: what ``reset`` does beside the destruction (torch 2.11
+    also drops the cuBLAS workspace of the stream the graph was captured on, see
+    ``CudaGraphCapturer``), and graphs other libraries make (transformers' own).
+    """
+
+    def __del__(self) -> None:
+        try:
+            call_with_relaxed_capture_mode(self.reset)
+        except Exception:  # at interpreter exit torch or the CUDA context may be gone
+            pass
 
 
 @dataclass(frozen=True)
@@ -334,7 +359,7 @@ class CudaGraphCapturer:
         torch.cuda.empty_cache()
         free0, res0 = torch.cuda.mem_get_info()[0], torch.cuda.memory_reserved()
         t0 = time.perf_counter()
-        graph = torch.cuda.CUDAGraph()
+        graph = CaptureSafeGraph()
         with collector_held():
             try:
                 torch._C._cuda_clearCublasWorkspaces()

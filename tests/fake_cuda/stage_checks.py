@@ -10,7 +10,7 @@ import traceback
 import numpy as np
 
 from zos import DecodeStep, staging
-from zos._C import MappedRing, PinnedUpload, StepPacker
+from zos._C import MappedRing, PinnedUpload, StepPacker, call_with_relaxed_capture_mode
 
 FAKE = ctypes.CDLL("libcuda.so.1")  # the library zos._C opens: one copy per process
 SEQ = staging.SEQ
@@ -303,6 +303,24 @@ def teardown_inside_own_capture():
     assert driver_calls() - calls == 2 and count("fake_host_frees") == frees
     assert count("fake_captures_broken") == broken + 1
 
+
+
+def relaxed_call_inside_own_capture():
+    """``call_with_relaxed_capture_mode``: what it calls runs in the relaxed mode (a graph's
+    destruction inside the thread's own capture is not refused and breaks nothing), and the
+    thread's mode is restored after, also when the call raises."""
+    fault("fake_own_capture", 1)
+    broken, seen = count("fake_captures_broken"), []
+    call_with_relaxed_capture_mode(
+        lambda: seen.append((capture_mode_now(), FAKE.cuEventQuery(None))))
+    assert seen == [(2, 0)] and capture_mode_now() == 0
+    assert count("fake_captures_broken") == broken
+
+    def fails():
+        raise KeyError("from fn")
+    raises(KeyError, "from fn", call_with_relaxed_capture_mode, fails)
+    assert capture_mode_now() == 0
+    assert FAKE.cuEventQuery(None) == 900 and count("fake_captures_broken") == broken + 1
 
 if __name__ == "__main__":
     faulthandler.dump_traceback_later(120, exit=True)  # a hang: its stack to the test's stderr
