@@ -349,10 +349,10 @@ PYBIND11_MODULE(_C, m) {
       R"doc(Call ``fn()`` with this thread's stream-capture mode relaxed
 (``cuThreadExchangeStreamCaptureMode``), then restore the mode, also when ``fn`` raises.
 
-A call that CUDA refuses while a graph capture is open in the global mode (torch's default)
-or in this thread's thread-local mode, such as a CUDA graph's destruction
+A potentially unsafe call that CUDA refuses while a graph capture is open in the global mode
+(torch's default) or in this thread's thread-local mode, such as a CUDA graph's destruction
 (``cudaGraphExecDestroy``: torch's ``CUDAGraph.reset``), then runs and leaves that capture
-intact; :class:`zos.graphs.CaptureSafeGraph` resets itself so when it is freed. Without a
+intact (work enqueued on a capturing stream still joins its capture); :class:`zos.graphs.CaptureSafeGraph` resets itself so when it is freed. Without a
 loadable CUDA driver ``fn`` just runs.
 
 Raises:

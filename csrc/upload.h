@@ -127,7 +127,7 @@ class MappedRing {
   }
   int32_t* done_word() const { return host_ + done_offset(); }
   int32_t seq_of(int64_t slot) const;
-  int32_t newest_seq() const;  // the SEQ of the newest committed record
+  int32_t newest_seq() const;  // the SEQ of the newest committed record (commits_ > 0)
   // Whether the build of the record with SEQ `seq` has finished, given that `newest` is the
   // SEQ of the record committed last (records are applied in SEQ order).
   bool applied(int32_t seq, int32_t newest) const;
@@ -166,7 +166,8 @@ void launch_graph(uint64_t graph_exec, uint64_t stream, int64_t device);
 // then restores the mode, fn throwing or not: a call CUDA refuses while a capture is open in
 // the global or this thread's thread-local mode (a graph's destruction: cudaGraphExecDestroy)
 // runs and leaves that capture intact. If the driver cannot be loaded or refuses the
-// exchange, fn runs in the mode as it is.
+// exchange, fn runs in the mode as it is. Called from Python only, never inside another
+// capture-mode scope of this thread (nested scopes keep the outermost scope's mode).
 void call_with_relaxed_capture_mode(const std::function<void()>& fn);
 
 // Whether `stream` (a CUstream of `device`) is capturing a CUDA graph (or holds a capture

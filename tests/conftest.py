@@ -46,7 +46,6 @@ def collector_on():
     (gc.enable if was else gc.disable)()
 
 
-
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     """With ``-v``, a failure's report is printed as it happens, not only in the summary: the

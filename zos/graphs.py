@@ -47,10 +47,10 @@ class collector_held:
     captures.
 
     An automatic collection can run at any allocation of Python objects, so inside a capture it
-    may free cyclic garbage that holds a ``torch.cuda.CUDAGraph`` (a graph cache, a backend with
-    prep graphs, a manager); freeing a graph while a capture is open invalidates that capture
-    (torch refuses ``CUDAGraph::reset`` with "operation not permitted when stream is
-    capturing"). Since torch 2.9 ``torch.cuda.graph`` no longer collects before a capture
+    may free cyclic garbage that holds a plain ``torch.cuda.CUDAGraph`` (a runner's, a
+    transformers manager's); freeing such a graph while a capture is open invalidates that
+    capture (torch refuses ``CUDAGraph::reset`` with "operation not permitted when stream is
+    capturing"; zos's own graphs are ``CaptureSafeGraph``). Since torch 2.9 ``torch.cuda.graph`` no longer collects before a capture
     (pytorch/pytorch#158193; the fault it opened: pytorch/pytorch#161037,
     NVIDIA/TransformerEngine#2092, whose fix likewise holds the collector off during captures).
 
@@ -111,6 +111,10 @@ class CaptureSafeGraph(torch.cuda.CUDAGraph):
             call_with_relaxed_capture_mode(self.reset)
         except Exception:  # at interpreter exit torch or the CUDA context may be gone
             pass
+        finally:
+            base_del = getattr(super(), "__del__", None)  # newer torch stops a tracker there
+            if base_del is not None:
+                base_del()
 
 
 @dataclass(frozen=True)
@@ -303,7 +307,7 @@ def warm_up(sizes: Iterable[int], body: Callable[[int], None]) -> None:
 
 
 class CudaGraphCapturer:
-    """``capturer(size) -> CapturedGraph``: ``body(size)`` recorded into a ``torch.cuda.CUDAGraph``
+    """``capturer(size) -> CapturedGraph``: ``body(size)`` recorded into a ``CaptureSafeGraph``
     in one memory pool shared by all its captures (``torch.cuda.graph_pool_handle()``).
 
     Capture records, it does not execute: ``torch.cuda.graph`` synchronizes the device, switches

@@ -304,7 +304,6 @@ def teardown_inside_own_capture():
     assert count("fake_captures_broken") == broken + 1
 
 
-
 def relaxed_call_inside_own_capture():
     """``call_with_relaxed_capture_mode``: what it calls runs in the relaxed mode (a graph's
     destruction inside the thread's own capture is not refused and breaks nothing), and the
@@ -321,6 +320,7 @@ def relaxed_call_inside_own_capture():
     raises(KeyError, "from fn", call_with_relaxed_capture_mode, fails)
     assert capture_mode_now() == 0
     assert FAKE.cuEventQuery(None) == 900 and count("fake_captures_broken") == broken + 1
+
 
 if __name__ == "__main__":
     faulthandler.dump_traceback_later(120, exit=True)  # a hang: its stack to the test's stderr
