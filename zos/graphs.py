@@ -50,9 +50,10 @@ class collector_held:
     may free cyclic garbage that holds a plain ``torch.cuda.CUDAGraph`` (a runner's, a
     transformers manager's); freeing such a graph while a capture is open invalidates that
     capture (torch refuses ``CUDAGraph::reset`` with "operation not permitted when stream is
-    capturing"; zos's own graphs are ``CaptureSafeGraph``). Since torch 2.9 ``torch.cuda.graph`` no longer collects before a capture
-    (pytorch/pytorch#158193; the fault it opened: pytorch/pytorch#161037,
-    NVIDIA/TransformerEngine#2092, whose fix likewise holds the collector off during captures).
+    capturing"; zos's own graphs are ``CaptureSafeGraph``). Since torch 2.9
+    ``torch.cuda.graph`` no longer collects before a capture (pytorch/pytorch#158193; the
+    fault it opened: pytorch/pytorch#161037, NVIDIA/TransformerEngine#2092, whose fix likewise
+    holds the collector off during captures).
 
     Blocks may nest and may be open in several threads at once (the collector is process-wide):
     the collector stays off until the last open block closes, then returns to the state it had
