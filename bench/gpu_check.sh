@@ -41,7 +41,8 @@ if [ "${SUITE:-1}" = 1 ]; then
   # still prints its counts and the slowest tests; -v names every test in the log, and a test
   # still running after 120 s has every thread's stack dumped there (faulthandler_timeout:
   # 2026-12-07, one run on an H100 sat ~200 s in a wait in selectors.select near the 1,350th
-  # test and -q named no test).
+  # test and -q named no test); under -v each failure's report is printed as it happens
+  # (tests/conftest.py), so an abort later in the process keeps the first failure's cause.
   stamp "test suite on CUDA, one process (test_distributed.py needs 2 GPUs: left out)"
   timeout -s INT -k 20 "${SUITE_TIMEOUT:-540}" python3 -m pytest -v -rfE -p no:cacheprovider \
     -o faulthandler_timeout=120 --durations=40 --ignore=tests/test_distributed.py tests \
