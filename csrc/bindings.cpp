@@ -352,8 +352,9 @@ PYBIND11_MODULE(_C, m) {
 A potentially unsafe call that CUDA refuses while a graph capture is open in the global mode
 (torch's default) or in this thread's thread-local mode, such as a CUDA graph's destruction
 (``cudaGraphExecDestroy``: torch's ``CUDAGraph.reset``), then runs and leaves that capture
-intact (work enqueued on a capturing stream still joins its capture); :class:`zos.graphs.CaptureSafeGraph` resets itself so when it is freed. Without a
-loadable CUDA driver ``fn`` just runs.
+intact (work enqueued on a capturing stream still joins its capture);
+:class:`zos.graphs.CaptureSafeGraph` resets itself so when it is freed. Without a loadable
+CUDA driver ``fn`` just runs.
 
 Raises:
     whatever ``fn`` raises.)doc");
