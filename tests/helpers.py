@@ -6,6 +6,7 @@ file imports another test file or conftest.
 from __future__ import annotations
 
 import dataclasses
+import gc
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -268,6 +269,28 @@ class Cycle:
 
     def __init__(self):
         self.me = self
+
+
+def collect_inside_a_runners_capture(garbage: list, freed) -> None:
+    """Drops ``garbage``'s one item (the only reference to cyclic garbage) and frees it by a
+    collection inside a runner's ``torch.cuda.graph`` capture, then checks that the capture
+    is intact: ``freed`` (a weakref into the garbage) was alive inside the capture (torch < 2.9
+    collects before one) and is dead after, and the runner's graph replays right. Earlier
+    garbage, plain graphs among it, is collected first, outside the capture; the collector is
+    left off (the caller's ``collector_on`` fixture restores it). CUDA only."""
+    gc.collect()
+    gc.disable()
+    garbage.clear()
+    x = torch.arange(8, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        x.mul_(3)
+        alive = freed() is not None
+        gc.collect()
+    assert alive and freed() is None
+    graph.replay()
+    graph.replay()
+    assert x.tolist() == [9 * i for i in range(8)]
 
 
 def require_transformers(versions: tuple = ("5.17.0", "5.25.0")):

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from zos import BucketTable, DecodeBuffers, DecodeStep, DeviceMetadataBackend, HostMetadataBackend
 
-from helpers import DEVICE, Req, TraceGen, expected
+from helpers import DEVICE, Req, TraceGen, collect_inside_a_runners_capture, expected
 
 BS, W, NUM_BLOCKS, VOCAB = 4, 6, 400, 1000
 FIELDS = ("input_ids", "positions", "slot_mapping", "seq_lens", "query_start_loc",
@@ -725,19 +725,9 @@ def test_a_backend_collected_inside_a_runners_capture_leaves_it_intact(staging, 
     dev.build(64)
     freed = weakref.ref(dev)
     dev.me = dev  # a reference cycle: only a collection frees it
-    gc.collect()  # earlier tests' garbage, plain graphs among it, freed outside the capture
-    gc.disable()
+    garbage = [dev]
     del dev
-    x = torch.arange(8, device="cuda")
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        x.mul_(3)
-        alive = freed() is not None  # freed here, not before the capture (torch < 2.9 collects)
-        gc.collect()
-    assert alive and freed() is None
-    graph.replay()
-    graph.replay()
-    assert x.tolist() == [9 * i for i in range(8)]
+    collect_inside_a_runners_capture(garbage, freed)
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="prep graphs need a GPU")
