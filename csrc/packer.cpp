@@ -110,10 +110,11 @@ StepPacker::StepPacker(const PackerConfig& cfg) : cfg_(cfg), index_(cfg.max_num_
   positive(cfg.block_size, "block_size");
   positive(cfg.max_num_blocks_per_req, "max_num_blocks_per_req");
   positive(cfg.vocab_size, "vocab_size");
-  // Positions are int32, and check_deadlines compares deadlines modulo 2^32: both hold
-  // because a request spans at most 2^31 tokens.
-  if (cfg.max_num_blocks_per_req > (int64_t{1} << 31) / cfg.block_size)
-    fail("max_num_blocks_per_req * block_size must be <= 2^31 tokens (int32 positions), got " +
+  // Positions and seq_lens are int32 (a row's seq_len reaches max_num_blocks_per_req *
+  // block_size), and check_deadlines compares deadlines modulo 2^32: both hold because a
+  // request spans fewer than 2^31 tokens.
+  if (cfg.max_num_blocks_per_req > ((int64_t{1} << 31) - 1) / cfg.block_size)
+    fail("max_num_blocks_per_req * block_size must be < 2^31 tokens (int32 seq_lens), got " +
          std::to_string(cfg.max_num_blocks_per_req) + " * " + std::to_string(cfg.block_size));
   if (cfg.null_block != 0 && cfg.null_block < cfg.num_kv_blocks)
     fail("null_block must be 0 or >= num_kv_blocks = " + std::to_string(cfg.num_kv_blocks) +

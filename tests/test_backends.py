@@ -335,6 +335,56 @@ def test_empty_step_zeroes_counts():
     assert md.counts.tolist() == [0, 0] and md.padded_size == 0
 
 
+@pytest.mark.parametrize("kind", BACKENDS)
+@pytest.mark.parametrize("padded,exc,match", [
+    (2, ValueError, "padded_size 2 is below the 3 real token rows"),
+    (0, ValueError, "padded_size 0 is below the 3 real token rows"),
+    (-4, ValueError, r"padded_size must be a multiple .* in \[0, 24\], got -4"),
+    (25, ValueError, r"in \[0, 24\], got 25"),
+    ("4", TypeError, "padded_size"),
+    (4.0, TypeError, "padded_size"),
+])
+def test_build_refuses_a_padded_size_below_the_staged_rows(kind, padded, exc, match):
+    """``build`` covers every real row of the step staged last: a smaller or invalid padded
+    size is refused before anything is launched, and the step then builds right; the next
+    step carries its rows from the right positions and slots."""
+    b = make(kind)
+    rows = [Req(1, 10, 5, [1, 2]), Req(2, 11, 6, [3, 4]), Req(3, 12, 6, [5, 6])]
+    plan = b.stage(DecodeStep.build([1, 2, 3], {i: (r.token, r.pos, r.blocks)
+                                                for i, r in enumerate(rows)}))
+    assert plan.padded_size == 4
+    with pytest.raises(exc, match=match):
+        b.build(padded)
+    b.build(plan.padded_size)
+    check(b.metadata(plan), rows, 4)
+    b.buffers.sampled[:3] = torch.tensor([20, 21, 22], dtype=torch.int32)
+    md = b.prepare(DecodeStep.build([1, 2, 3]))
+    check(md, [Req(1, 20, 6, [1, 2]), Req(2, 21, 7, [3, 4]), Req(3, 22, 7, [5, 6])], 4)
+
+
+def test_host_build_refuses_rows_its_stage_did_not_write():
+    """The host-built backend's stage writes the rows of its plan only: outside a capture a
+    larger build would hand the model an earlier step's rows, and is refused. (The device
+    backend builds any padded size from the staged record: checked too.)"""
+    rows = [Req(i + 1, 10 + i, 5, [2 * i + 1, 2 * i + 2]) for i in range(5)]
+    step = DecodeStep.build([1, 2, 3, 4, 5], {i: (r.token, r.pos, r.blocks)
+                                              for i, r in enumerate(rows)})
+    for kind in BACKENDS:
+        b = make(kind)
+        b.prepare(step)  # rows 0-4 real, padded to 8
+        b.buffers.sampled[:5] = torch.arange(20, 25, dtype=torch.int32)
+        plan = b.stage(DecodeStep.build([1, 2]))
+        assert plan.padded_size == 2
+        if kind == "host":
+            with pytest.raises(ValueError, match="padded_size 8 exceeds the 2 token rows"):
+                b.build(8)
+            b.build(2)
+            check(b.metadata(plan), [Req(1, 20, 6, [1, 2]), Req(2, 21, 6, [3, 4])], 2)
+        else:
+            b.build(8)  # rows 2-7 become dummy rows
+            check(b.buffers.views(2, 8), [Req(1, 20, 6, [1, 2]), Req(2, 21, 6, [3, 4])], 8)
+
+
 def snapshot(buffers):
     """Copies of every tensor of ``buffers`` (fields, row state, staging, scratch)."""
     return {k: v.clone() for k, v in vars(buffers).items() if isinstance(v, torch.Tensor)}

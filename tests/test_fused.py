@@ -118,6 +118,8 @@ def test_rope_and_store_kv(num_tokens, hq, hkv, hd, dtype, tiling):
         slots[1], slots[3] = PAD_SLOT_ID, num_blocks * bs
         slots[-1] = -7
     slots = slots.to(I64).to(DEV)
+    if num_tokens % 2:  # with the strided qkv, a strided slot_mapping (a column of [T, 2])
+        slots = torch.stack([slots, torch.zeros_like(slots)], 1)[:, 0]
     qkv0 = qkv.clone()
 
     q = fz.rope_and_store_kv(qkv, cos, sin, cache, slots, hq, hkv, hd)

@@ -52,8 +52,9 @@ def _to(meta):
     return to_device(meta, DEV)
 
 
+@pytest.mark.parametrize("strided_slots", [False, True])
 @pytest.mark.parametrize("num_tokens", [5, 17])
-def test_store_kv(num_tokens):
+def test_store_kv(num_tokens, strided_slots):
     gen = torch.Generator().manual_seed(num_tokens)
     cache = torch.randn(2, 6, 4, 3, 8, generator=gen).to(DEV)
     big = torch.randn(num_tokens, 2, 3, 8, generator=gen).to(DEV)
@@ -61,6 +62,8 @@ def test_store_kv(num_tokens):
     slots = torch.randperm(24, generator=gen)[:num_tokens].to(I64)
     slots[::3] = PAD_SLOT_ID
     slots = slots.to(DEV)
+    if strided_slots:  # a column of a wider tensor: read by index, not by offset
+        slots = torch.stack([slots, torch.full_like(slots, 5)], 1)[:, 0]
     ref = cache.clone()
     for t, s in enumerate(slots.tolist()):
         if s >= 0:

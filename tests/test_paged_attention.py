@@ -165,7 +165,8 @@ def test_dummy_rows_read_block_zero_only(device):
 
 
 def test_out_argument_and_strided_inputs(device):
-    """A given ``out`` (a strided view) is written in place and returned; q may be strided."""
+    """A given ``out`` (a strided view) is written in place and returned; q, seq_lens (a
+    column of a wider tensor) and block_table (a column slice) may be strided."""
     dtype = torch.float32
     q, kv, bt, sl = make_case(device, dtype, 9, 3, 64, 16, 1, [5, 33], seed=3)
     q_wide = torch.zeros(q.shape[0], q.shape[1], 2 * q.shape[2], dtype=dtype, device=device)
@@ -174,7 +175,11 @@ def test_out_argument_and_strided_inputs(device):
     out_wide = torch.full((q.shape[0], 2 * q.shape[1], q.shape[2]), 7.0, dtype=dtype,
                           device=device)
     out = out_wide[:, 1::2]
-    got = paged_decode_attention(q_strided, kv, bt, sl, 0.125, out=out, num_splits=2)
+    sl_strided = torch.stack([torch.full_like(sl, 10 ** 6), sl], 1)[:, 1]
+    bt_strided = torch.stack([torch.zeros_like(bt), bt], 2)[:, :, 1]
+    assert not sl_strided.is_contiguous() and bt_strided.stride(1) == 2
+    got = paged_decode_attention(q_strided, kv, bt_strided, sl_strided, 0.125, out=out,
+                                 num_splits=2)
     assert got is out
     torch.testing.assert_close(out, reference(q, kv, bt, sl, 0.125), **TOL[dtype])
     assert (out_wide[:, 0::2] == 7.0).all()  # untouched

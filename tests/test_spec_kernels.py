@@ -94,8 +94,9 @@ def test_propose_matches_reference(k, n, padded, min_n, max_n, seed):
     assert spec.token_cache.cpu().numpy().tolist() == want.tolist()
 
 
+@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided"])
 @pytest.mark.parametrize("k,n,padded,seed", [(1, 5, 6, 0), (2, 17, 19, 1), (4, 7, 8, 2)])
-def test_verify_matches_reference(k, n, padded, seed):
+def test_verify_matches_reference(k, n, padded, seed, strided):
     bufs, spec, hists, tc = setup(seed, n, padded, k, max_pos=40)
     rng = np.random.default_rng(seed + 100)
     q = 1 + k
@@ -114,7 +115,12 @@ def test_verify_matches_reference(k, n, padded, seed):
     bufs.sampled.fill_(-3)
     bufs.accepted.fill_(-4)
     spec.output.fill_(-6)
-    spec.verify(torch.from_numpy(target).to(DEVICE), padded * q)
+    target_t = torch.from_numpy(target).to(DEVICE)
+    if strided:  # every other entry of a wider tensor (e.g. one column of [T, 2])
+        wide = torch.full((2 * len(target),), 99, dtype=torch.int32, device=DEVICE)
+        wide[1::2] = target_t
+        target_t = wide[1::2]
+    spec.verify(target_t, padded * q)
     acc, smp, out = bufs.accepted.cpu(), bufs.sampled.cpu(), spec.output.cpu()
     slots = bufs.slot_mapping.cpu().numpy()
     want_tc = tc.copy()
@@ -150,6 +156,8 @@ def test_errors():
         spec.propose(4)
     with pytest.raises(ValueError, match="target must be int32"):
         spec.verify(torch.zeros(6, dtype=torch.int64, device=DEVICE), 6)
+    with pytest.raises(ValueError, match=r"target must be int32 1-D \[>= 6\]"):
+        spec.verify(torch.zeros(6, 1, dtype=torch.int32, device=DEVICE), 6)
     with pytest.raises(ValueError, match="past the token cache"):
         spec.write_history(torch.zeros(2, dtype=torch.int32, device=DEVICE),
                            torch.tensor([0, 40], device=DEVICE))

@@ -155,19 +155,30 @@ def test_a_refused_pack_leaves_no_row_marked_touched(due_row, fails_in):
     assert staging.parse(out[:words]).listed.tolist() == [[due_row, due_row, 0]]
 
 
-def test_packer_refuses_a_request_longer_than_int32_positions():
-    """Positions are int32 and deadlines are compared modulo 2^32: a configuration whose
-    requests could span more than 2^31 tokens is refused at construction."""
-    with pytest.raises(ValueError, match=r"max_num_blocks_per_req \* block_size must be <= 2\^31"):
-        packer(r=1, w=2 ** 11 + 1, bs=2 ** 20)
-    w, bs = 2 ** 11, 2 ** 20  # exactly 2^31 tokens: accepted, and so is its last position
-    p = StepPacker(max_num_reqs=1, uniform_decode_query_len=1, block_size=bs,
-                   max_num_blocks_per_req=w, num_kv_blocks=w + 1, vocab_size=VOCAB)
-    out = np.zeros(staging.capacity_words(1, w), np.int32)
-    pack(p, DecodeStep.build([7], {0: (1, 2 ** 31 - 2, range(1, w + 1))}), out)
-    pack(p, DecodeStep.build([7]), out)  # position 2^31 - 1
-    with pytest.raises(ValueError, match="reaches position 2147483648"):
-        pack(p, DecodeStep.build([7]), out)
+@pytest.mark.parametrize("bs,w", [(2 ** 20, 2 ** 11), (2 ** 30, 2), (1, 2 ** 31)])
+def test_packer_refuses_a_request_reaching_int32_seq_lens(bs, w):
+    """seq_lens are int32 and a row's seq_len reaches max_num_blocks_per_req * block_size:
+    a configuration whose requests could span 2^31 tokens is refused at construction."""
+    with pytest.raises(ValueError, match=r"max_num_blocks_per_req \* block_size must be < 2\^31"):
+        packer(r=1, w=w, bs=bs)
+
+
+@pytest.mark.parametrize("backend_cls", [DeviceMetadataBackend, HostMetadataBackend])
+def test_packer_accepts_seq_lens_up_to_int32_max(backend_cls):
+    """One block of 2^31 - 1 tokens: position 2^31 - 3 then, carried, the last position
+    2^31 - 2, whose seq_len is 2^31 - 1, the largest int32 (built by each backend); the
+    position after it is refused."""
+    bs = 2 ** 31 - 1
+    backend = backend_cls(DecodeBuffers(1, 1, bs, device=DEVICE), num_kv_blocks=3,
+                          vocab_size=VOCAB)
+    md = backend.prepare(DecodeStep.build([7], {0: (1, bs - 2, [2])}))
+    assert (md.positions.tolist(), md.seq_lens.tolist()) == ([bs - 2], [bs - 1])
+    md = backend.prepare(DecodeStep.build([7]))
+    assert (md.positions.tolist(), md.seq_lens.tolist()) == ([bs - 1], [bs])
+    assert md.slot_mapping.tolist() == [2 * bs + bs - 1]
+    with pytest.raises(ValueError, match=f"reaches position {bs}"):
+        backend.prepare(DecodeStep.build([7]))
+    assert md.seq_lens.tolist() == [bs]  # nothing written
 
 
 @pytest.mark.parametrize("bs,w", [(16, 8), (5, 7), (1, 40)])

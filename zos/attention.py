@@ -213,8 +213,10 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table:
             contiguous, K at ``[0]``, V at ``[1]``; block 0 is the null block. Not written.
             GQA: query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)``.
         block_table: int32 ``[R, W]``, block ids (in ``[0, num_blocks)``, not checked) of each
-            request row; only columns ``j < cdiv(seq_lens[r], block_size)`` are read.
-        seq_lens: int32 ``[R]``, tokens of each row's sequence including this step's, in
+            request row; only columns ``j < cdiv(seq_lens[r], block_size)`` are read. Any
+            strides (copied first unless its rows are contiguous).
+        seq_lens: int32 ``[R]``, any stride (copied first unless contiguous, e.g. a column of
+            a wider tensor), tokens of each row's sequence including this step's, in
             ``[1, W * block_size]`` (not checked on the host; the kernel clamps to that range,
             so bad values never read outside the row's block-table columns). Dummy rows:
             seq_len 1 and a row of null blocks (reads block 0 only).
@@ -288,6 +290,8 @@ def _launch(q, k_cache, v_cache, block_table, seq_lens, scale, out, num_splits) 
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if block_table.stride(1) != 1:
         block_table = block_table.contiguous()
+    if seq_lens.stride(0) != 1:  # the kernel reads seq_lens[r] at offset r
+        seq_lens = seq_lens.contiguous()
 
     block_n = _block_n(q.dtype)
     tiles = triton.cdiv(w * block_size, block_n)

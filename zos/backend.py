@@ -155,8 +155,33 @@ class MetadataBackend:
         """Device work of the step staged last: writes the buffers' token rows
         [0, padded_size) (and request rows [0, padded_size // q)) in place; rows past the
         staged N become dummy rows. Capturable in a CUDA graph for the device backend, with
-        the real N read from device memory, so one capture serves every N <= padded_size."""
+        the real N read from device memory, so one capture serves every N <= padded_size.
+
+        Raises:
+            TypeError, ValueError: ``padded_size`` is not an int multiple of q in
+                [N * q, max_num_reqs * q] (:meth:`check_build`); nothing is launched.
+        """
         raise NotImplementedError
+
+    def check_build(self, padded_size) -> None:
+        """The rule of :meth:`build`'s ``padded_size``: a padded size the buffers hold
+        (``DecodeBuffers.check_padded_size``) that covers the N * q real token rows of the step
+        staged last (N = ``prev_num_reqs``): a smaller one would leave real rows unbuilt, and
+        the next step would carry them from dummy rows (their KV written into the null block).
+
+        Raises:
+            TypeError: not an int.
+            ValueError: out of range, not a multiple of q, or below N * q (the value named).
+        """
+        q = self.buffers.uniform_decode_query_len
+        if type(padded_size) is int and padded_size % q == 0 and \
+                self.packer.prev_num_reqs * q <= padded_size <= self.buffers.max_num_reqs * q:
+            return
+        staged = self.packer.prev_num_reqs * q
+        self.buffers.check_padded_size(padded_size, lo=0)  # the type, the range, q
+        raise ValueError(f"build: padded_size {padded_size} is below the {staged} real token "
+                         f"rows of the step staged last (N = {self.packer.prev_num_reqs}): "
+                         f"build the step's plan.padded_size")
 
     def prepare(self, step: DecodeStep) -> StepMetadata:
         """Stage and build one step; returns views padded to the step's bucket."""

@@ -304,7 +304,12 @@ class DeviceMetadataBackend(MetadataBackend):
         (``zos.stream_order``: the next stage waits for the build; on the copy path the
         build's stream, or the graph, waits for the stage's copy). The step's consumers
         (model, sampler) run on the build's stream or are ordered after it by the runner.
+
+        Raises:
+            TypeError, ValueError: ``padded_size`` is not an int multiple of q in
+                [N * q, max_num_reqs * q] (:meth:`check_build`); nothing is launched.
         """
+        self.check_build(padded_size)
         order = self._order
         joined = order.before_build() if order is not None else None
         if padded_size == 0:  # an empty step: no rows, and no real row either

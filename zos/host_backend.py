@@ -195,6 +195,8 @@ class HostMetadataBackend(MetadataBackend):
         self._scratch_bt = np.zeros((r, w), np.int32)
         # Recorded after each stage's copies. External: a build captured into a graph waits for
         # it at every replay (cudaEventWaitExternal). Recorded once now, so that it exists.
+        # Token rows the last stage wrote; at first every row (the buffers are reset below).
+        self._staged_rows = t
         self._fence = torch.cuda.Event(external=True) if cuda else None
         if cuda:
             self._fence.record(torch.cuda.current_stream(b.device))
@@ -217,6 +219,7 @@ class HostMetadataBackend(MetadataBackend):
         if prev and not self.input_ids_from_device:
             self._sampled[:prev].copy_(b.sampled[:prev])  # synchronous read-back
         t, r = plan.padded_size, plan.padded_size // b.uniform_decode_query_len
+        self._staged_rows = t
         a = self._np
         cols = _build_rows(self._record, a["sampled"], self._accepted_np,
                            b.uniform_decode_query_len, b.block_size,
@@ -259,6 +262,19 @@ class HostMetadataBackend(MetadataBackend):
         rows). The other direction is the runner's: the next ``stage`` writes the buffers
         (and may read ``sampled`` back) on its stream, so a runner whose model and sampler run
         on another stream orders that stage after them (docs/ZOS.md, "The runner contract",
-        rule 3)."""
+        rule 3).
+
+        Raises:
+            TypeError, ValueError: ``padded_size`` is not an int multiple of q in
+                [N * q, max_num_reqs * q] (:meth:`check_build`), or, outside a CUDA graph
+                capture, exceeds the token rows the last ``stage`` wrote (its plan's
+                ``padded_size``: the rows past them hold an earlier step's values).
+        """
+        self.check_build(padded_size)
+        if padded_size > self._staged_rows and not (
+                self._fence is not None and torch.cuda.is_current_stream_capturing()):
+            raise ValueError(f"build: padded_size {padded_size} exceeds the "
+                             f"{self._staged_rows} token rows the last stage wrote (its "
+                             f"plan.padded_size); rows past them hold an earlier step's values")
         if self._fence is not None:
             self._fence.wait(torch.cuda.current_stream(self.buffers.device))

@@ -102,22 +102,25 @@ class SpecDecoder:
             MIN_N=self.min_n, MAX_N=self.max_n, BLOCK=128)
 
     def verify(self, target: torch.Tensor, padded_size: int) -> None:
-        """Greedy verification of rows r < N against ``target`` (int32 [>= padded_size], the
-        target model's argmax per token row): writes ``buffers.accepted``, ``buffers.sampled``
-        (the bonus token), ``output`` and the accepted tokens' history. Rows >= N untouched.
-        One launch, grid (padded_size // q,).
+        """Greedy verification of rows r < N against ``target`` (int32 1-D [>= padded_size],
+        any stride: copied first unless contiguous; the target model's argmax per token row):
+        writes ``buffers.accepted``, ``buffers.sampled`` (the bonus token), ``output`` and the
+        accepted tokens' history. Rows >= N untouched. One launch, grid (padded_size // q,).
 
         Raises:
             TypeError, ValueError: padded_size as in :meth:`propose`.
-            ValueError: target not int32 on the buffers' device or shorter than padded_size.
+            ValueError: target not int32 1-D on the buffers' device or shorter than
+                padded_size.
         """
         b, q = self.buffers, self.buffers.uniform_decode_query_len
         grid = (b.check_padded_size(padded_size) // q,)
         if (target.dtype != torch.int32 or target.device != b.input_ids.device
-                or target.numel() < padded_size):
-            raise ValueError(f"target must be int32 [>= {padded_size}] on "
+                or target.dim() != 1 or target.shape[0] < padded_size):
+            raise ValueError(f"target must be int32 1-D [>= {padded_size}] on "
                              f"{b.input_ids.device}, got {target.dtype} "
                              f"{tuple(target.shape)} on {target.device}")
+        if target.stride(0) != 1:  # the kernel reads token row t at offset t
+            target = target.contiguous()
         verify_greedy[grid](
             b.counts, b.input_ids, b.slot_mapping, target, self.token_cache,
             b.sampled, b.accepted, self.output,

@@ -62,8 +62,8 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
             ``num_kv_heads * head_dim`` values contiguous (a row stride is allowed).
         kv_cache: ``[2, num_kv_blocks, block_size, num_kv_heads, head_dim]``, contiguous; written in
             place at the slots of ``slot_mapping``.
-        slot_mapping: int64 ``[T]``; rows with slot ``< 0`` (PAD_SLOT_ID) or
-            ``>= num_kv_blocks * block_size`` write nothing.
+        slot_mapping: int64 ``[T]``, any stride (copied first unless contiguous); rows with
+            slot ``< 0`` (PAD_SLOT_ID) or ``>= num_kv_blocks * block_size`` write nothing.
 
     Raises:
         ValueError: a shape or device mismatch, a non-contiguous cache (names the field).
@@ -87,6 +87,8 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
         return
     k = k if k.stride(2) == 1 and k.stride(1) == hd else k.contiguous()
     v = v if v.stride(2) == 1 and v.stride(1) == hd else v.contiguous()
+    if slot_mapping.stride(0) != 1:  # the kernel reads row t's slot at offset t
+        slot_mapping = slot_mapping.contiguous()
     row_size = hkv * hd
     block = min(triton.next_power_of_2(row_size), 1024)
     grid = (num_tokens, triton.cdiv(row_size, block))

@@ -192,9 +192,9 @@ def rope_and_store_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
         kv_cache: ``[2, num_kv_blocks, block_size, num_kv_heads, head_dim]``, qkv's dtype,
             contiguous; K at ``[0]``, V at ``[1]``, written in place at the slots of
             ``slot_mapping`` (nothing else is written).
-        slot_mapping: int64 ``[T]``; rows with slot ``< 0`` (PAD_SLOT_ID) or
-            ``>= num_kv_blocks * block_size`` write nothing to the cache (their q is still
-            returned).
+        slot_mapping: int64 ``[T]``, any stride (copied first unless contiguous); rows with
+            slot ``< 0`` (PAD_SLOT_ID) or ``>= num_kv_blocks * block_size`` write nothing to
+            the cache (their q is still returned).
         num_heads, num_kv_heads, head_dim: positive; head_dim even.
 
     Returns:
@@ -216,6 +216,8 @@ def rope_and_store_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     tile = _INTERP_TILE if interpreted(rope_store_kv_kernel, qkv.device) else _GPU_ROPE_TILE
     pairs = max(1, min(triton.next_power_of_2(n_pairs), tile // half_block))
     num_slots = kv_cache.shape[1] * kv_cache.shape[2]
+    if slot_mapping.stride(0) != 1:  # the kernel reads row t's slot at offset t
+        slot_mapping = slot_mapping.contiguous()
     rope_store_kv_kernel[(triton.cdiv(n_pairs, pairs),)](
         qkv, cos, sin, q, kv_cache[0], kv_cache[1], slot_mapping, qkv.stride(0), cos.stride(0),
         sin.stride(0), t, num_heads, num_kv_heads, num_slots, HEAD_DIM=head_dim,
