@@ -421,7 +421,7 @@ int64_t StepPacker::check_deadlines(const StepInput& in) {
   if (cfg_.q > 1) return 0;
   const int64_t s = step_ + 1, common = std::min(in.n, prev_n_);
   // A carried row's deadline lies in [s, s + max_num_blocks_per_req * block_size), and the
-  // constructor holds that span to <= 2^31: a compare modulo 2^32 is exact.
+  // constructor holds that span to < 2^31: a compare modulo 2^32 is exact.
   const auto now = static_cast<uint32_t>(s);
   const uint32_t* dl = deadline_.data();
   int64_t visited = 0;

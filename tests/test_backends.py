@@ -353,9 +353,11 @@ def test_build_refuses_a_padded_size_below_the_staged_rows(kind, padded, exc, ma
     plan = b.stage(DecodeStep.build([1, 2, 3], {i: (r.token, r.pos, r.blocks)
                                                 for i, r in enumerate(rows)}))
     assert plan.padded_size == 4
+    before = snapshot(b.buffers)
     with pytest.raises(exc, match=match):
         b.build(padded)
-    b.build(plan.padded_size)
+    assert unchanged(b.buffers, before)  # refused before any launch
+    b.build(np.int64(plan.padded_size))  # a numpy int is an int
     check(b.metadata(plan), rows, 4)
     b.buffers.sampled[:3] = torch.tensor([20, 21, 22], dtype=torch.int32)
     md = b.prepare(DecodeStep.build([1, 2, 3]))
@@ -383,6 +385,32 @@ def test_host_build_refuses_rows_its_stage_did_not_write():
         else:
             b.build(8)  # rows 2-7 become dummy rows
             check(b.buffers.views(2, 8), [Req(1, 20, 6, [1, 2]), Req(2, 21, 6, [3, 4])], 8)
+
+
+@pytest.mark.parametrize("kind", BACKENDS)
+@pytest.mark.parametrize("kw,exc,match", [
+    (dict(buckets=[1, 2, 4]), TypeError, "buckets must be a zos.BucketTable"),
+    (dict(num_kv_blocks=64.0), TypeError, "num_kv_blocks: expected an int"),
+    (dict(num_kv_blocks=True), TypeError, "num_kv_blocks: expected an int"),
+    (dict(vocab_size=100.5), TypeError, "vocab_size: expected an int"),
+    (dict(vocab_size="100"), TypeError, "vocab_size: expected an int"),
+], ids=["buckets list", "float pool", "bool pool", "float vocab", "str vocab"])
+def test_backend_arguments_of_the_wrong_type_refused(kind, kw, exc, match):
+    bufs = DecodeBuffers(8, 4, 4, device=DEVICE)
+    with pytest.raises(exc, match=match):
+        BACKENDS[kind](bufs, **{"num_kv_blocks": 64, "vocab_size": 100, **kw})
+    assert bufs.owner is None  # not taken over
+
+
+def test_plans_and_views_hold_python_ints_and_real_rows_within_the_padding():
+    b = make("device")
+    plan = b.stage(DecodeStep.build([1], {0: (3, 0, [1])}), min_padded_size=np.int64(8))
+    assert [(v, type(v)) for v in vars(plan).values()] == [(1, int), (1, int), (8, int),
+                                                          (True, bool)]
+    for n, exc in [(9, ValueError), (-1, ValueError), (1.5, TypeError)]:
+        with pytest.raises(exc, match="num_reqs"):
+            b.buffers.views(n, 8)
+    assert b.buffers.views(np.int32(8), 8).num_reqs == 8
 
 
 def snapshot(buffers):
@@ -1006,5 +1034,5 @@ def test_epilogue_reads_every_build(capture):
         seen_counts.fill_(-1)
         toks = torch.from_numpy(gen.sampled(rows))
         bufs.sampled[:n] = toks.to(DEVICE)
-    dev.build(0)
+    dev.prepare(DecodeStep.build([]))  # the empty step: build(0)
     assert seen_counts.tolist() == [0, 0]

@@ -56,7 +56,7 @@ def padded_size_calls(q):
     backend = DeviceMetadataBackend(bufs, num_kv_blocks=40, vocab_size=50)
     calls = [("views", lambda s: bufs.views(0, s), 0),
              ("launch_prep", lambda s: kernels.launch_prep(bufs, s), 1),
-             ("build", backend.build, 1),  # build(0) is the empty step, no launch
+             ("build", backend.build, 0),  # build(0) is the empty step, no launch
              ("stage", lambda s: backend.stage(DecodeStep.build([]), min_padded_size=s), 0)]
     if q > 1:
         spec = SpecDecoder(bufs, num_kv_blocks=40, num_draft_tokens=q - 1)
@@ -77,8 +77,7 @@ def test_padded_size_one_message_everywhere(q):
     bufs, calls = padded_size_calls(q)
     top = R * q
     for name, call, lo in calls:
-        bad = [top + q, -q, lo - 1, q + 1] if name != "build" else [top + q, -q, q + 1]
-        for size in bad:
+        for size in [top + q, -q, lo - 1, q + 1]:
             if lo <= size <= top and size % q == 0:  # q + 1 with q = 1
                 continue
             before = snapshot(bufs)

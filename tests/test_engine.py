@@ -135,6 +135,47 @@ def test_request_validation(llama):
                                    max_model_len=llama.config.max_position_embeddings + 1), DEVICE)
 
 
+@pytest.mark.parametrize("bad,exc,match", [
+    (Request(1, (3, 4), 2), TypeError, "request 1: prompt must be a list of int token ids, got "
+                                       "tuple"),
+    (Request(1, [3, 4.0], 2), TypeError, r"request 1: prompt\[1\]: expected an int"),
+    (Request(1, [True], 2), TypeError, r"request 1: prompt\[0\]: expected an int"),
+    (Request(1, [3], 2.5), TypeError, "request 1: max_new_tokens: expected an int"),
+    (Request(1, [3], True), TypeError, "request 1: max_new_tokens: expected an int"),
+    (Request("1", [3], 2), TypeError, "req_id: expected an int"),
+], ids=["tuple prompt", "float token", "bool token", "float max_new_tokens",
+        "bool max_new_tokens", "str req_id"])
+def test_request_types_refused_before_anything_changes(llama, bad, exc, match):
+    """A request whose fields are not ints (or whose prompt is not a list) is refused by
+    add_request and admit_prefilled before it is queued or takes a block; the engine then
+    runs other requests, and the same id later, to the reference."""
+    cfg = EngineConfig(block_size=BS, num_kv_blocks=20, max_num_seqs=2, max_model_len=16,
+                       bucket_policy=None)
+    engine = Engine(llama, cfg, DEVICE)
+    free = engine.allocator.num_free
+    with pytest.raises(exc, match=match):
+        engine.add_request(bad)
+    with pytest.raises(exc, match=match):
+        engine.admit_prefilled(bad, 5)
+    assert not engine.has_unfinished() and engine.allocator.num_free == free
+    res = engine.run([Request(1, [3, 4], 3)])
+    assert res.outputs[1] == greedy_reference(llama, [3, 4], 3)
+
+
+@pytest.mark.parametrize("first", [5.0, True, "5"])
+def test_admit_prefilled_refuses_a_first_token_not_an_int(llama, first):
+    cfg = EngineConfig(block_size=BS, num_kv_blocks=20, max_num_seqs=2, max_model_len=16,
+                       bucket_policy=None)
+    engine = Engine(llama, cfg, DEVICE)
+    free = engine.allocator.num_free
+    with pytest.raises(TypeError, match="request 1: first_token: expected an int"):
+        engine.admit_prefilled(Request(1, [3, 4], 3), first)
+    assert not engine.has_unfinished() and engine.allocator.num_free == free
+    engine.admit_prefilled(Request(1, [3, 4], 3), 5)  # the same id, now valid
+    while engine.has_unfinished():
+        engine.step()
+
+
 def test_request_ids_unique_and_queueing_all_or_none(llama):
     """A req_id waiting or running is refused before anything is queued or placed (the packer
     keys rows by request id); a batch with one bad request queues none of them; an id can be

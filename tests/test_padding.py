@@ -102,6 +102,22 @@ def test_profile_rejects_bad_values(field, value, match):
         PaddingProfile("bad", **{field: 1.0})
 
 
+@pytest.mark.parametrize("field,value", [
+    ("pad_slot_id", 2 ** 63), ("null_block", 2 ** 31), ("seq_len_fill", 2 ** 31),
+    ("pad_token_id", 2 ** 31), ("pool_start", 2 ** 31)])
+def test_profile_rejects_values_its_buffers_cannot_hold(field, value):
+    """pad_slot_id fills int64 slot_mapping, the others int32 fields: one past each dtype's
+    largest value is refused by the profile (not by torch inside DecodeBuffers), the largest
+    accepted."""
+    with pytest.raises(ValueError, match=f"{field} {value} does not fit int"):
+        PaddingProfile("big", **{field: value})
+    if field in ("pad_token_id", "seq_len_fill"):  # DecodeBuffers' own overrides
+        with pytest.raises(ValueError, match=f"{field} {value} does not fit int"):
+            DecodeBuffers(2, 2, 4, device=DEVICE, **{field: value})
+    if field != "pool_start":
+        assert getattr(PaddingProfile("big", **{field: value - 1}), field) == value - 1
+
+
 def test_profile_with_trash_below_the_pool_start():
     """transformers 5.25's layout: trash at the start of the pool (null block 0, the pad slot in
     block 2), requests' blocks from ``pool_start`` 4 on. The pad slot below pool_start is

@@ -68,6 +68,19 @@ def test_prefill_and_errors(llama):
     assert tokens == [greedy_reference(llama, p, 1)[0] for p in prompts] and us > 0 and nbytes > 0
     with pytest.raises(ValueError, match="blocks"):
         runner.prefill([([1] * 5, [1])])
+    kv = [c.clone() for c in runner.kv_caches]
+    for seq, exc, match in [
+            (([1, 2], [0]), ValueError, r"sequence 1: block id 0 is outside \[1, 32\)"),
+            (([1, 2], [NUM_BLOCKS]), ValueError, r"block id 32 is outside \[1, 32\)"),
+            (([1, 2], [-1]), ValueError, r"block id -1 is outside"),
+            (([1, CFG.vocab_size], [2]), ValueError, f"token {CFG.vocab_size} is outside"),
+            (([-1, 2], [2]), ValueError, r"sequence 1: token -1 is outside"),
+            (([1.0, 2], [2]), TypeError, "sequence 1: tokens must be a 1-D sequence of ints"),
+            (([1, 2], [2.0]), TypeError, "block_ids must be a 1-D sequence of ints"),
+            (([[1, 2]], [2]), TypeError, "tokens must be a 1-D")]:
+        with pytest.raises(exc, match=match):  # the first sequence is valid: nothing runs
+            runner.prefill([([1, 2], [3]), seq])
+    assert all(torch.equal(a, b) for a, b in zip(kv, runner.kv_caches))  # no KV written
     with pytest.raises(ValueError, match="empty"):
         runner.decode(DecodeStep.build([]))
     with pytest.raises(ValueError, match="needs a SpecDecoder"):

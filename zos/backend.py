@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from zos._C import StepPacker
+from zos._checks import check_int
 from zos.buckets import BucketTable
 from zos.buffers import DecodeBuffers, StepMetadata
 from zos.step import DecodeStep
@@ -58,6 +59,7 @@ class MetadataBackend:
         buckets: bucket table in token rows; None runs every step unpadded.
 
     Raises:
+        TypeError: num_kv_blocks or vocab_size not an int, buckets not a BucketTable.
         ValueError: a bucket larger than the buffers or not divisible by q,
             ``buffers.pad_token_id`` outside [0, vocab_size), a padding profile that does not
             fit the pool (``PaddingProfile.check_pool``), or a packer size out of range.
@@ -68,6 +70,11 @@ class MetadataBackend:
     def __init__(self, buffers: DecodeBuffers, *, num_kv_blocks: int, vocab_size: int,
                  buckets: BucketTable | None = None) -> None:
         q = buffers.uniform_decode_query_len
+        num_kv_blocks = check_int("num_kv_blocks", num_kv_blocks)
+        vocab_size = check_int("vocab_size", vocab_size)
+        if buckets is not None and not isinstance(buckets, BucketTable):
+            raise TypeError(f"buckets must be a zos.BucketTable (e.g. BucketTable(sizes)) or "
+                            f"None, got {type(buckets).__name__}")
         if buckets is not None and buckets.max_size > buffers.max_num_reqs * q:
             raise ValueError(f"buckets.max_size {buckets.max_size} exceeds the buffers' "
                              f"{buffers.max_num_reqs * q} token rows")
@@ -78,6 +85,8 @@ class MetadataBackend:
             raise ValueError(f"buffers.pad_token_id {buffers.pad_token_id} is outside the "
                              f"vocabulary [0, {vocab_size}): dummy rows would embed it")
         self.buckets = buckets
+        #: the pool and vocabulary this backend checks steps against (see Args)
+        self.num_kv_blocks, self.vocab_size = num_kv_blocks, vocab_size
         self._plans: dict[int, StepPlan] = {}
         self._metadata: dict[tuple[int, int], StepMetadata] = {}
         self.last_upload_bytes = 0  # bytes the last ``stage`` sent to the device
@@ -115,10 +124,10 @@ class MetadataBackend:
                             b is not None and b.padded_size(min_padded_size) == min_padded_size)
         return plan
 
-    def check_min_padded_size(self, min_padded_size) -> None:
-        """ValueError/TypeError unless ``min_padded_size`` is an int in
+    def check_min_padded_size(self, min_padded_size) -> int:
+        """``min_padded_size`` as a Python int; ValueError/TypeError unless it is an int in
         [0, max_num_reqs * q] divisible by q (the rows the buffers hold)."""
-        self.buffers.check_padded_size(min_padded_size, field="min_padded_size", lo=0)
+        return self.buffers.check_padded_size(min_padded_size, field="min_padded_size", lo=0)
 
     def stage(self, step: DecodeStep, *, min_padded_size: int = 0) -> StepPlan:
         """Host work of one step, outside any graph: validate and pack ``step`` (C++) and
@@ -144,7 +153,7 @@ class MetadataBackend:
                                f"({type(self.buffers.owner).__name__}) has taken these buffers "
                                f"over; build a new backend to use them again")
         if type(min_padded_size) is not int or min_padded_size:  # 0: the plain step
-            self.check_min_padded_size(min_padded_size)
+            min_padded_size = self.check_min_padded_size(min_padded_size)
         return self._stage(step, self.plan(len(step.req_ids), min_padded_size))
 
     def _stage(self, step: DecodeStep, plan: StepPlan) -> StepPlan:
@@ -163,25 +172,28 @@ class MetadataBackend:
         """
         raise NotImplementedError
 
-    def check_build(self, padded_size) -> None:
-        """The rule of :meth:`build`'s ``padded_size``: a padded size the buffers hold
-        (``DecodeBuffers.check_padded_size``) that covers the N * q real token rows of the step
-        staged last (N = ``prev_num_reqs``): a smaller one would leave real rows unbuilt, and
-        the next step would carry them from dummy rows (their KV written into the null block).
+    def check_build(self, padded_size) -> int:
+        """``padded_size`` as a Python int, checked against the rule of :meth:`build`: a padded
+        size the buffers hold (``DecodeBuffers.check_padded_size``) that covers the N * q real
+        token rows of the step staged last (N = ``prev_num_reqs``): a smaller one would leave
+        real rows unbuilt, and the next step would carry them from dummy rows (their KV
+        written into the null block).
 
         Raises:
             TypeError: not an int.
             ValueError: out of range, not a multiple of q, or below N * q (the value named).
         """
-        q = self.buffers.uniform_decode_query_len
-        if type(padded_size) is int and padded_size % q == 0 and \
-                self.packer.prev_num_reqs * q <= padded_size <= self.buffers.max_num_reqs * q:
-            return
-        staged = self.packer.prev_num_reqs * q
-        self.buffers.check_padded_size(padded_size, lo=0)  # the type, the range, q
-        raise ValueError(f"build: padded_size {padded_size} is below the {staged} real token "
-                         f"rows of the step staged last (N = {self.packer.prev_num_reqs}): "
-                         f"build the step's plan.padded_size")
+        b, n = self.buffers, self.packer.prev_num_reqs
+        q = b.uniform_decode_query_len
+        if type(padded_size) is int and n * q <= padded_size <= b.max_num_reqs * q \
+                and padded_size % q == 0:  # the per-step case, without a call
+            return padded_size
+        v = b.check_padded_size(padded_size, lo=0)  # the type, the range, q
+        if v < n * q:
+            raise ValueError(f"build: padded_size {v} is below the {n * q} real token rows of "
+                             f"the step staged last (N = {n}): build the step's "
+                             f"plan.padded_size")
+        return v
 
     def prepare(self, step: DecodeStep) -> StepMetadata:
         """Stage and build one step; returns views padded to the step's bucket."""

@@ -20,6 +20,7 @@ from zos._checks import check_int
 
 PAD_SLOT_ID = -1  # vLLM's pad slot (PaddingProfile.VLLM.pad_slot_id)
 NULL_BLOCK = 0  # vLLM's null block (PaddingProfile.VLLM.null_block)
+_I32_MAX, _I64_MAX = 2 ** 31 - 1, 2 ** 63 - 1
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,8 @@ class PaddingProfile:
     Raises:
         TypeError: a field is not an int.
         ValueError: pad_slot_id < -1, null_block < 0, seq_len_fill < 1, pad_token_id < 0,
-            pool_start < 0, or a null block in [1, pool_start).
+            pool_start < 0, a null block in [1, pool_start), or a value its buffer's dtype
+            cannot hold (pad_slot_id int64, the others int32).
     """
 
     name: str
@@ -68,6 +70,11 @@ class PaddingProfile:
         # The one check of the pad values: DecodeBuffers' overrides come through here too.
         for f in ("pad_slot_id", "null_block", "seq_len_fill", "pad_token_id", "pool_start"):
             v = check_int(f"PaddingProfile {self.name!r}: {f}", getattr(self, f), lo=None)
+            # the buffers' dtypes: int64 slots, int32 block ids, tokens and lengths
+            top, dtype = (_I64_MAX, "int64") if f == "pad_slot_id" else (_I32_MAX, "int32")
+            if v > top:
+                raise ValueError(f"PaddingProfile {self.name!r}: {f} {v} does not fit "
+                                 f"{dtype}")
             object.__setattr__(self, f, v)
         if self.pad_slot_id < -1:
             raise ValueError(f"PaddingProfile {self.name!r}: pad_slot_id must be -1 (no KV "
@@ -250,9 +257,9 @@ class DecodeBuffers:
         """``padded_size`` as a Python int, checked: a padded size in token rows that these
         buffers hold, a multiple of q = ``uniform_decode_query_len`` in
         [lo, max_num_reqs * q]. The one check of a padded size: every public call that takes
-        one from its caller (``views``, ``zos.kernels.launch_prep`` and so a device build,
-        ``SpecDecoder.propose`` / ``verify``, ``MetadataBackend.stage``'s
-        ``min_padded_size``) calls it, with the same message.
+        one from its caller (``views``, ``zos.kernels.launch_prep``, both backends' ``build``
+        through ``MetadataBackend.check_build``, ``SpecDecoder.propose`` / ``verify``,
+        ``MetadataBackend.stage``'s ``min_padded_size``) calls it, with the same message.
 
         Raises:
             TypeError: not an int (``field`` named).
@@ -269,10 +276,15 @@ class DecodeBuffers:
     def views(self, num_reqs: int, padded_size: int) -> StepMetadata:
         """Prefix views for a step of ``num_reqs`` requests padded to ``padded_size`` token
         rows. TypeError / ValueError unless padded_size is an int in [0, max_num_reqs * q]
-        that q divides (:meth:`check_padded_size`)."""
+        that q divides (:meth:`check_padded_size`) and num_reqs an int in
+        [0, padded_size // q] (the real rows are among the padded ones)."""
         q = self.uniform_decode_query_len
         padded_size = self.check_padded_size(padded_size, lo=0)
         r = padded_size // q
+        num_reqs = check_int("num_reqs", num_reqs, lo=0)
+        if num_reqs > r:
+            raise ValueError(f"num_reqs {num_reqs} exceeds the {r} request rows of padded_size "
+                             f"{padded_size}")
         return StepMetadata(
             input_ids=self.input_ids[:padded_size],
             positions=self.positions[:padded_size],

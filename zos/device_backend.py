@@ -309,7 +309,7 @@ class DeviceMetadataBackend(MetadataBackend):
             TypeError, ValueError: ``padded_size`` is not an int multiple of q in
                 [N * q, max_num_reqs * q] (:meth:`check_build`); nothing is launched.
         """
-        self.check_build(padded_size)
+        padded_size = self.check_build(padded_size)
         order = self._order
         joined = order.before_build() if order is not None else None
         if padded_size == 0:  # an empty step: no rows, and no real row either

@@ -193,10 +193,10 @@ class HostMetadataBackend(MetadataBackend):
         self._scratch_pos = np.zeros(r, np.int32)
         self._scratch_nb = np.zeros(r, np.int32)
         self._scratch_bt = np.zeros((r, w), np.int32)
-        # Recorded after each stage's copies. External: a build captured into a graph waits for
-        # it at every replay (cudaEventWaitExternal). Recorded once now, so that it exists.
         # Token rows the last stage wrote; at first every row (the buffers are reset below).
         self._staged_rows = t
+        # Recorded after each stage's copies. External: a build captured into a graph waits for
+        # it at every replay (cudaEventWaitExternal). Recorded once now, so that it exists.
         self._fence = torch.cuda.Event(external=True) if cuda else None
         if cuda:
             self._fence.record(torch.cuda.current_stream(b.device))
@@ -270,7 +270,7 @@ class HostMetadataBackend(MetadataBackend):
                 capture, exceeds the token rows the last ``stage`` wrote (its plan's
                 ``padded_size``: the rows past them hold an earlier step's values).
         """
-        self.check_build(padded_size)
+        padded_size = self.check_build(padded_size)
         if padded_size > self._staged_rows and not (
                 self._fence is not None and torch.cuda.is_current_stream_capturing()):
             raise ValueError(f"build: padded_size {padded_size} exceeds the "

@@ -124,7 +124,8 @@ class Engine:
         """Queue ``reqs`` in order, all or none: every request is checked before any is queued.
 
         Raises:
-            TypeError: a req_id that is not an int (DecodeStep.req_ids is int64).
+            TypeError: a req_id or max_new_tokens that is not an int (DecodeStep.req_ids is
+                int64), a prompt that is not a list of int token ids.
             ValueError: an empty prompt, a token outside the vocabulary, max_new_tokens < 1,
                 prompt + max_new_tokens > max_model_len, a req_id outside int64, or a req_id
                 that is already waiting or running (or twice in ``reqs``): the packer keys rows
@@ -137,8 +138,11 @@ class Engine:
         or a benchmark of steady-state decode): its blocks are allocated now, the KV of its
         prompt is taken to be in the cache already (whatever those blocks hold), and
         ``first_token`` is its first output; it joins the next decode step as a new row.
+        Nothing is allocated or queued when it raises.
 
         Raises:
+            TypeError: the request is invalid (see :meth:`add_requests`), or ``first_token``
+                is not an int.
             ValueError: the request is invalid (see :meth:`add_requests`), the token is outside
                 the vocabulary, no row is free, or too few blocks are free.
         """

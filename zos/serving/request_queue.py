@@ -51,9 +51,17 @@ class RequestQueue:
         check_int(f"request {rid!r}: req_id", rid, int(_I64.min))
         if rid > _I64.max:  # DecodeStep.req_ids is int64; the packer keys rows by it
             raise ValueError(f"request {rid}: req_id does not fit int64")
-        if not req.prompt or any(not 0 <= t < vocab for t in req.prompt):
+        prompt = req.prompt
+        if type(prompt) is not list:  # the prefill concatenates it with the output list
+            raise TypeError(f"request {rid}: prompt must be a list of int token ids, got "
+                            f"{type(prompt).__name__}")
+        for i, t in enumerate(prompt):
+            if type(t) is not int:  # a numpy int passes check_int, anything else raises
+                check_int(f"request {rid}: prompt[{i}]", t, lo=None)
+        if not prompt or any(not 0 <= t < vocab for t in prompt):
             raise ValueError(f"request {rid}: prompt must be non-empty ids in [0, {vocab})")
-        if req.max_new_tokens < 1 or len(req.prompt) + req.max_new_tokens > cfg.max_model_len:
+        check_int(f"request {rid}: max_new_tokens", req.max_new_tokens, lo=None)
+        if req.max_new_tokens < 1 or len(prompt) + req.max_new_tokens > cfg.max_model_len:
             raise ValueError(f"request {rid}: need max_new_tokens >= 1 and prompt + "
                              f"max_new_tokens <= max_model_len {cfg.max_model_len}")
         if rid in self._live:
@@ -87,6 +95,7 @@ class RequestQueue:
         if self.num_running() >= self.config.max_num_seqs:
             raise ValueError(f"request {req.req_id}: no free row (max_num_seqs "
                              f"{self.config.max_num_seqs})")
+        check_int(f"request {req.req_id}: first_token", first_token, lo=None)
         if not 0 <= first_token < self.vocab_size:
             raise ValueError(f"request {req.req_id}: first_token {first_token} is outside the "
                              f"vocabulary")

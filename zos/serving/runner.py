@@ -283,9 +283,11 @@ class GraphRunner:
         """One eager packed prefill from position 0; greedy next token of each sequence.
 
         Args:
-            seqs: ``(tokens, block_ids)`` per sequence: token ids (positions 0..len-1, all
-                written into the KV cache through their slots) and the sequence's blocks
-                (at least ``ceil(len / block_size)``, ids in [1, num_kv_blocks)).
+            seqs: ``(tokens, block_ids)`` per sequence: token ids (ints in
+                [0, backend.vocab_size); positions 0..len-1, all written into the KV cache
+                through their slots) and the sequence's blocks (at least
+                ``ceil(len / block_size)``, ids a request can hold: in [1, num_kv_blocks) with
+                the null block 0, else in [0, num_kv_blocks), as the backend's packer checks).
 
         Returns:
             ``(tokens, prep_us, upload_bytes)``: the sampled next token per sequence (host
@@ -293,21 +295,43 @@ class GraphRunner:
             bytes of those host tensors (copied to the device unless it is the CPU).
 
         Raises:
-            ValueError: no sequences, an empty sequence, or too few / too many blocks.
+            TypeError: tokens or block ids that are not integers (the sequence named).
+            ValueError: no sequences, an empty sequence, too few / too many blocks, a token
+                outside the vocabulary or a block id a request cannot hold (the sequence and
+                the value named). Nothing runs.
         """
-        b = self.buffers
+        b, backend = self.buffers, self.backend
         bs, w = b.block_size, b.max_num_blocks_per_req
+        first_block = 1 if b.padding.null_block == 0 else 0
         if not seqs:
             raise ValueError("prefill: no sequences")
-        self._push("zos.prep")
         t0 = time.perf_counter()
-        lens = np.array([len(t) for t, _ in seqs], np.int64)
+        toks = [np.asarray(t) for t, _ in seqs]
+        blocks = [np.asarray(bl) for _, bl in seqs]
+        for i, (t, bl) in enumerate(zip(toks, blocks)):
+            for name, a in (("tokens", t), ("block_ids", bl)):
+                if a.ndim != 1 or (a.size and a.dtype.kind not in "iu"):
+                    raise TypeError(f"prefill: sequence {i}: {name} must be a 1-D sequence of "
+                                    f"ints, got {a.dtype} of shape {a.shape}")
+            if not t.size or not -(-t.size // bs) <= bl.size <= w:
+                raise ValueError(f"prefill: sequence {i} has {t.size} tokens and {bl.size} "
+                                 f"blocks (block size {bs}, at most {w} blocks)")
+        lens = np.array([t.size for t in toks], np.int64)
+        flat_toks = np.concatenate(toks)
+        for name, flat, sizes, lo, hi in (
+                ("token", flat_toks, lens, 0, backend.vocab_size),
+                ("block id", np.concatenate(blocks), [bl.size for bl in blocks], first_block,
+                 backend.num_kv_blocks)):
+            bad = (flat < lo) | (flat >= hi)
+            if bad.any():  # one pass over all sequences; the first offender named
+                k = int(bad.argmax())
+                i = int(np.searchsorted(np.cumsum(sizes), k, side="right"))
+                raise ValueError(f"prefill: sequence {i}: {name} {flat[k]} is outside "
+                                 f"[{lo}, {hi})")
         table = np.zeros((len(seqs), w), np.int32)
-        for i, (toks, blocks) in enumerate(seqs):
-            if not toks or not -(-len(toks) // bs) <= len(blocks) <= w:
-                raise ValueError(f"prefill: sequence {i} has {len(toks)} tokens and "
-                                 f"{len(blocks)} blocks (block size {bs}, at most {w} blocks)")
-            table[i, :len(blocks)] = blocks
+        for i, bl in enumerate(blocks):
+            table[i, :bl.size] = bl
+        self._push("zos.prep")  # after the checks: a refused prefill leaves no range open
         pos = np.concatenate([np.arange(n) for n in lens])
         row = np.repeat(np.arange(len(seqs)), lens)
         slots = table[row, pos // bs].astype(np.int64) * bs + pos % bs
@@ -316,8 +340,7 @@ class GraphRunner:
         qsl[1:] = np.cumsum(lens)
         num_tokens = int(qsl[-1])
         meta = StepMetadata(
-            input_ids=torch.from_numpy(
-                np.concatenate([np.asarray(t, np.int32) for t, _ in seqs])).to(dev),
+            input_ids=torch.from_numpy(flat_toks.astype(np.int32)).to(dev),
             positions=torch.from_numpy(pos.astype(np.int32)).to(dev),
             slot_mapping=torch.from_numpy(slots).to(dev),
             seq_lens=torch.from_numpy(lens.astype(np.int32)).to(dev),
