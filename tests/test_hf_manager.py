@@ -355,6 +355,50 @@ def test_host_metadata_backend_equals_transformers(graphs, asynchronous):
     assert [p for p, _ in timings].count("zos") >= 5
 
 
+@pytest.mark.parametrize("graphs,asynchronous", _modes())
+def test_a_kept_manager_started_again_decodes_with_zos(graphs, asynchronous):
+    """``stop(keep_for_next_session=True)`` gives the model its attention back and a direct
+    ``start()`` (not ``init_continuous_batching``) does not switch it again: zos switches it,
+    so the second session decodes with zos too and its tokens equal generate()'s (they were
+    wrong from the second token on, zos's inputs reaching sdpa); each stop restores sdpa. A
+    model moved to an attention zos cannot serve in between is refused at start."""
+    model = tiny_llama(3)
+    inputs = prompts(3, (4, 9, 6), model.config.vocab_size)
+    want = {f"r{i}": reference(model, p, 5) for i, p in enumerate(inputs)}
+    timings, manager = [], None
+    enable_zos(model, ZosOptions(timings=timings))
+    try:
+        manager = model.init_continuous_batching(
+            generation_config=gen_config(5),
+            continuous_batching_config=cb_config(use_cuda_graph=graphs,
+                                                 use_async_batching=asynchronous))
+        for session in range(2):
+            before = [p for p, _ in timings].count("zos")
+            manager.start()
+            assert model.config._attn_implementation == internals().attn
+            for i, p in enumerate(inputs):
+                manager.add_request(p, request_id=f"r{i}")
+            got = {}
+            while len(got) < len(inputs):
+                res = manager.get_result(timeout=120)
+                assert res is not None and res.error is None
+                if res.is_finished():
+                    got[res.request_id] = res.generated_tokens
+            manager.stop(block=True, keep_for_next_session=True)
+            assert got == want, session
+            assert [p for p, _ in timings].count("zos") > before, session
+            assert model.config._attn_implementation == "sdpa"
+        model.set_attn_implementation("eager")
+        with pytest.raises(RuntimeError, match="now runs on 'eager'"):
+            manager.start()
+        assert not manager.is_running() and model.config._attn_implementation == "eager"
+    finally:  # a manager left running would reach the next test of the process
+        if manager is not None and manager.is_running():
+            manager.stop(block=True)
+        model.__dict__.pop("_cached_continuous_batching_manager", None)
+        disable_zos(model)
+
+
 def test_unknown_metadata_backend_is_refused():
     model = tiny_llama(0)
     with pytest.raises(ValueError, match="metadata_backend"):

@@ -24,7 +24,9 @@ the zeroed KV cache below).
   of a zos-served run is captured there, none during a user's requests (transformers' own
   decode warm-up runs only for its block-table path, which sdpa has not, and its varlen
   warm-up covers one size);
-* ``start``: a manager with graphs whose batch processor zos serves and that was not
+* ``start``: a kept batch processor (``stop(keep_for_next_session=True)``) that zos serves
+  puts the model back on zos's attention, which that stop undid; a manager with graphs whose
+  batch processor zos serves and that was not
   warmed up (or whose processor is new) runs zos's warm-up first (transformers' server starts
   its manager without a warm-up; zos serve at start-up), leaving the random number generators
   as they were, the collector held off; a failed warm-up is recorded as the manager's fatal
@@ -536,6 +538,27 @@ def install_manager_hook() -> None:
             self.zos_warmup = _warm_up_zos(self.batch_processor, self.model)
 
     def start(self):
+        """transformers' method; for a zos-enabled model whose kept batch processor decodes
+        with zos, the model is first put back on zos's attention (``stop(...,
+        keep_for_next_session=True)`` gave it its own back, and ``start`` alone, unlike
+        ``init_continuous_batching``, does not switch it again: zos's inputs would reach
+        sdpa), and a run with graphs warms zos's graphs up first.
+
+        Raises:
+            RuntimeError: the kept processor decodes with zos and the model now runs on an
+                attention zos cannot switch from (nothing started); or zos's warm-up failed
+                (recorded as the manager's fatal error).
+        """
+        bp = self.batch_processor
+        if (zos_on(self.model) and not self.is_running() and bp is not None
+                and getattr(bp.inputs_and_outputs, "zos", None) is not None
+                and self.model.config._attn_implementation != tfi.attn):
+            impl = self.model.config._attn_implementation
+            if impl not in tfi.accepted_attn:
+                raise RuntimeError(f"zos: this manager's batch processor decodes with zos, but "
+                                   f"the model now runs on {impl!r}; stop it without "
+                                   f"keep_for_next_session and start a new manager")
+            self.switch_to_cb_friendly_attn(self.model)  # its own back at the next stop
         if (zos_on(self.model) and not self.is_running()
                 and any(self.continuous_batching_config.cuda_graph_booleans)):
             fresh = self.batch_processor is None  # a new processor has no graph
