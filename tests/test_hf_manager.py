@@ -355,6 +355,20 @@ def test_host_metadata_backend_equals_transformers(graphs, asynchronous):
     assert [p for p, _ in timings].count("zos") >= 5
 
 
+def run_requests(manager, inputs) -> dict:
+    """{request id: tokens} of ``inputs`` added to a started ``manager`` as r0, r1, ..., each
+    finished without an error."""
+    for i, p in enumerate(inputs):
+        manager.add_request(p, request_id=f"r{i}")
+    got = {}
+    while len(got) < len(inputs):
+        res = manager.get_result(timeout=120)
+        assert res is not None and res.error is None
+        if res.is_finished():
+            got[res.request_id] = res.generated_tokens
+    return got
+
+
 @pytest.mark.parametrize("graphs,asynchronous", _modes())
 def test_a_kept_manager_started_again_decodes_with_zos(graphs, asynchronous):
     """``stop(keep_for_next_session=True)`` gives the model its attention back and a direct
@@ -376,14 +390,7 @@ def test_a_kept_manager_started_again_decodes_with_zos(graphs, asynchronous):
             before = [p for p, _ in timings].count("zos")
             manager.start()
             assert model.config._attn_implementation == internals().attn
-            for i, p in enumerate(inputs):
-                manager.add_request(p, request_id=f"r{i}")
-            got = {}
-            while len(got) < len(inputs):
-                res = manager.get_result(timeout=120)
-                assert res is not None and res.error is None
-                if res.is_finished():
-                    got[res.request_id] = res.generated_tokens
+            got = run_requests(manager, inputs)
             manager.stop(block=True, keep_for_next_session=True)
             assert got == want, session
             assert [p for p, _ in timings].count("zos") > before, session
@@ -547,14 +554,7 @@ def test_every_warmup_capture_runs_with_the_collector_off(monkeypatch, collector
         if warm == "warmup":
             manager.warmup()
         manager.start()
-        for i, p in enumerate(inputs):
-            manager.add_request(p, request_id=f"r{i}")
-        got = {}
-        while len(got) < len(inputs):
-            res = manager.get_result(timeout=120)
-            assert res is not None and res.error is None
-            if res.is_finished():
-                got[res.request_id] = res.generated_tokens
+        got = run_requests(manager, inputs)
         assert gc.isenabled()
     finally:
         if manager is not None:  # a failed test leaves no manager running for the next
